@@ -1,0 +1,169 @@
+"""Models named by key: a registry of builders plus pydantic configs, never pickled code.
+
+A job names a model by key and a plain config dict; every peer builds the same layers from them.
+Each builder returns an ordered list of cuttable layers such that ``nn.Sequential(*layers)`` is the
+whole model, so a stage is just a contiguous slice of that list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pydantic
+import torch
+from pydantic import BaseModel
+from torch import Tensor, nn
+
+from ravnest_p2p.models.char_gpt import CharGPTConfig, build_char_gpt
+from ravnest_p2p.models.convnets import (
+    DigitsCNNConfig,
+    ResNetSmallConfig,
+    build_digits_cnn,
+    build_resnet_small,
+)
+from ravnest_p2p.models.mlp import MLPConfig, build_mlp
+from ravnest_p2p.models.spec import LossName, TensorSpec
+
+__all__ = ["ModelSpec", "available_models", "build_model", "get_model_spec", "parse_config", "sample_input"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Everything a peer needs to know about a registered model, given its parsed config.
+
+    Attributes:
+        key: registry key.
+        config_cls: the pydantic config class (``extra="forbid"``).
+        build: builds the cuttable layers from a parsed config.
+        input_spec: spec of the model's input (what stage 0 accepts).
+        label_spec: spec of the labels the last stage's loss accepts.
+        loss: name of the loss in `ravnest_p2p.models.spec.LOSSES`.
+    """
+
+    key: str
+    config_cls: type[BaseModel]
+    build: Callable[[Any], list[nn.Module]]
+    input_spec: Callable[[Any], TensorSpec]
+    label_spec: Callable[[Any], TensorSpec]
+    loss: Callable[[Any], LossName]
+
+
+def _classification(config: Any) -> LossName:
+    return "cross_entropy"
+
+
+def _mlp_labels(c: MLPConfig) -> TensorSpec:
+    if c.task == "regression":
+        return TensorSpec((c.out_features,), torch.float32)
+    return TensorSpec((), torch.int64, high=c.out_features)
+
+
+_REGISTRY: dict[str, ModelSpec] = {
+    spec.key: spec
+    for spec in (
+        ModelSpec(
+            key="mlp",
+            config_cls=MLPConfig,
+            build=build_mlp,
+            input_spec=lambda c: TensorSpec((c.in_features,), torch.float32),
+            label_spec=_mlp_labels,
+            loss=lambda c: "mse" if c.task == "regression" else "cross_entropy",
+        ),
+        ModelSpec(
+            key="digits_cnn",
+            config_cls=DigitsCNNConfig,
+            build=build_digits_cnn,
+            input_spec=lambda c: TensorSpec((1, 8, 8), torch.float32),
+            label_spec=lambda c: TensorSpec((), torch.int64, high=c.num_classes),
+            loss=_classification,
+        ),
+        ModelSpec(
+            key="resnet_small",
+            config_cls=ResNetSmallConfig,
+            build=build_resnet_small,
+            input_spec=lambda c: TensorSpec((c.in_channels, c.image_size, c.image_size), torch.float32),
+            label_spec=lambda c: TensorSpec((), torch.int64, high=c.num_classes),
+            loss=_classification,
+        ),
+        ModelSpec(
+            key="char_gpt",
+            config_cls=CharGPTConfig,
+            build=build_char_gpt,
+            input_spec=lambda c: TensorSpec((c.block_size,), torch.int64, high=c.vocab_size),
+            label_spec=lambda c: TensorSpec((c.block_size,), torch.int64, high=c.vocab_size),
+            loss=_classification,
+        ),
+    )
+}
+
+
+def available_models() -> list[str]:
+    """Keys of every registered model, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_model_spec(key: str) -> ModelSpec:
+    """Return the registry entry for ``key``.
+
+    Raises:
+        ValueError: if the key is unknown.
+    """
+    try:
+        return _REGISTRY[key]
+    except KeyError:
+        raise ValueError(f"unknown model {key!r}; available: {available_models()}") from None
+
+
+def parse_config(key: str, config_dict: Mapping[str, Any] | None = None) -> BaseModel:
+    """Validate ``config_dict`` against the config class of model ``key``.
+
+    Raises:
+        ValueError: unknown key, unknown field, or out-of-range value (message names the field).
+    """
+    spec = get_model_spec(key)
+    try:
+        return spec.config_cls.model_validate(dict(config_dict or {}))
+    except pydantic.ValidationError as exc:
+        raise ValueError(f"invalid config for model {key!r}: {exc}") from None
+
+
+def build_model(
+    key: str, config_dict: Mapping[str, Any] | None = None, *, seed: int | None = None
+) -> list[nn.Module]:
+    """Build the cuttable layers of model ``key``.
+
+    Args:
+        key: registry key (see `available_models`).
+        config_dict: plain config values; unknown fields are rejected.
+        seed: if given, initialise the weights from this seed without disturbing the global RNG, so
+            every peer that builds the same (key, config, seed) gets bit-identical initial weights.
+
+    Returns:
+        The ordered layers; ``nn.Sequential(*layers)`` is the whole model.
+
+    Raises:
+        ValueError: unknown key or bad config.
+    """
+    spec = get_model_spec(key)
+    config = parse_config(key, config_dict)
+    if seed is None:
+        return spec.build(config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return spec.build(config)
+
+
+def sample_input(key: str, config_dict: Mapping[str, Any] | None = None, *, batch_size: int = 2) -> Tensor:
+    """A deterministic dummy input batch for model ``key`` (for profiling and shape tracing)."""
+    spec = get_model_spec(key)
+    ispec = spec.input_spec(parse_config(key, config_dict))
+    generator = torch.Generator().manual_seed(0)
+    shape = (batch_size, *ispec.shape)
+    if ispec.dtype.is_floating_point:
+        return torch.randn(shape, generator=generator, dtype=ispec.dtype)
+    return torch.randint(0, ispec.high or 2, shape, generator=generator, dtype=ispec.dtype)

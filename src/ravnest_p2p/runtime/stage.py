@@ -1,0 +1,423 @@
+"""One pipeline stage: forward, backward and optimizer steps with weight stashing. Pure compute.
+
+Why weight stashing. In an asynchronous 1F1B pipeline (PipeDream, Narayanan et al., SOSP 2019) a
+stage admits up to ``max_in_flight`` micro-batches before the first gradient comes back and steps
+its optimizer as soon as it has gradients, with no pipeline flush. Without care, a micro-batch's
+backward pass would then use weights different from those its forward pass used, so its gradient is
+not the gradient of any function at all. PipeDream's fix: keep the weight version each forward used
+and compute that micro-batch's backward against it. Updates are then "delayed" gradient steps,
+``w(t+1) = w(t) - lr * grad f(w(t - k))``, which is what the paper analyses. We do not implement
+PipeDream's "vertical sync" (all stages using the same version for a micro-batch): each stage is
+consistent with itself, as in the paper's default.
+
+How. Forward runs the layers through ``torch.func.functional_call`` on a *stash* copy of the
+trainable parameters (leaf tensors of their own), never on the live ``nn.Parameter``s, so the
+optimizer can step the live parameters in place while older micro-batches still hold graphs (or, in
+recompute mode, only their inputs) built on the stash. Stash entries are keyed by weight version,
+refcounted by in-flight micro-batches, and freed when no micro-batch needs them and the live
+weights have moved on. Gradients come from ``torch.autograd.grad`` (nothing accumulates into the
+stash), are added into the live parameters' ``.grad`` and averaged over ``update_every`` backwards.
+
+Alternatives rejected: swapping ``param.data`` before each backward (autograd saved tensors alias
+the live storage, so in-place steps corrupt pending graphs); deep-copying the whole module per
+version (copies buffers too, and BatchNorm statistics must stay single and live).
+
+Recompute mode (activation checkpointing at stage granularity, Chen et al. 2016) keeps only the
+input and the RNG state, and replays forward in backward against the same stash; BatchNorm running
+statistics are updated once (in the first forward), the replay writes into throwaway copies.
+
+Limits: one stage is driven by one thread (the compute thread); the executor is not thread-safe.
+BatchNorm statistics are not versioned. The stash costs one parameter copy per live version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from ravnest_p2p.errors import InvalidMessage
+from ravnest_p2p.models.spec import LossName, TensorSpec, make_loss
+from ravnest_p2p.runtime.optim import OptimizerConfig, build_optimizer
+from ravnest_p2p.runtime.validation import check_matches, check_micro_batch_id, check_tensor
+
+__all__ = ["LossResult", "PipelineFull", "StageConfig", "StageExecutor"]
+
+logger = logging.getLogger(__name__)
+
+
+class PipelineFull(InvalidMessage):
+    """A forward arrived while ``max_in_flight`` micro-batches were already waiting for backward."""
+
+    code = "pipeline_full"
+
+
+class StageConfig(BaseModel):
+    """How one stage runs.
+
+    Attributes:
+        first_layer_index: global index of the stage's first layer (0 = first stage); prefixes names.
+        is_last: the stage computes the loss (`StageExecutor.forward_loss`).
+        max_in_flight: micro-batches forwarded but not yet backwarded that the stage admits.
+        update_every: optimizer step after this many backwards (gradients averaged).
+        recompute: keep only inputs and recompute the forward in backward.
+        loss: loss of the last stage.
+        optimizer: optimizer and LR schedule.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    first_layer_index: int = Field(default=0, ge=0)
+    is_last: bool = False
+    max_in_flight: int = Field(default=1, ge=1)
+    update_every: int = Field(default=1, ge=1)
+    recompute: bool = False
+    loss: LossName = "cross_entropy"
+    optimizer: OptimizerConfig = OptimizerConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class LossResult:
+    """What the last stage returns for a micro-batch: its loss and the gradient for the stage before."""
+
+    loss: float
+    grad_input: Tensor | None
+
+
+@dataclasses.dataclass
+class _Stash:
+    params: dict[str, Tensor]  # local name -> leaf copy requiring grad
+    live_versions: tuple[int, ...]  # autograd version counters of the live params when copied
+    refcount: int = 0
+
+
+@dataclasses.dataclass
+class _InFlight:
+    version: int
+    inputs: Tensor
+    output: Tensor | None  # graph output (stored mode) or None (recompute mode)
+    output_shape: torch.Size
+    output_dtype: torch.dtype
+    rng_state: Tensor | None
+
+
+class StageExecutor:
+    """Forward/backward/step of one pipeline stage with weight stashing (see module docstring).
+
+    Args:
+        config: stage config.
+        layers: the stage's contiguous slice of the model's cuttable layers.
+        input_spec: what the stage accepts (model input for stage 0, previous layer's output else).
+        label_spec: what the last stage accepts as labels (required iff ``config.is_last``).
+        device: where the layers live; inputs are moved there after validation.
+    """
+
+    def __init__(
+        self,
+        config: StageConfig,
+        layers: Sequence[nn.Module],
+        *,
+        input_spec: TensorSpec,
+        label_spec: TensorSpec | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if not layers:
+            raise ValueError("a stage needs at least one layer")
+        if config.is_last and label_spec is None:
+            raise ValueError("the last stage needs a label_spec")
+        self.config = config
+        self.input_spec = input_spec
+        self.label_spec = label_spec
+        self.device = torch.device(device)
+        self.module = nn.Sequential(*layers).to(self.device).train()
+        self._loss_fn = make_loss(config.loss)
+        self._trainable: dict[str, nn.Parameter] = {
+            n: p for n, p in self.module.named_parameters() if p.requires_grad
+        }
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        if self._trainable:
+            self._optimizer, self._scheduler = build_optimizer(self._trainable.values(), config.optimizer)
+        self._weight_version = 0
+        self._num_steps = 0
+        self._num_accumulated = 0
+        self._stash: dict[int, _Stash] = {}
+        self._in_flight: dict[int, _InFlight] = {}
+        self._last_param_grads: dict[str, Tensor] = {}
+
+    # ----- introspection -------------------------------------------------------------------------
+    @property
+    def is_first(self) -> bool:
+        """Whether this stage holds the model's first layer (it returns no input gradient)."""
+        return self.config.first_layer_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this stage computes the loss."""
+        return self.config.is_last
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the live weights: +1 per optimizer step or external parameter change."""
+        return self._weight_version
+
+    @property
+    def num_steps(self) -> int:
+        """Optimizer steps taken."""
+        return self._num_steps
+
+    @property
+    def in_flight(self) -> tuple[int, ...]:
+        """Ids of micro-batches forwarded and waiting for their backward, sorted."""
+        return tuple(sorted(self._in_flight))
+
+    @property
+    def stashed_versions(self) -> tuple[int, ...]:
+        """Weight versions currently held in the stash, sorted."""
+        return tuple(sorted(self._stash))
+
+    @property
+    def last_param_grads(self) -> dict[str, Tensor]:
+        """Per-parameter gradient (global names) of the most recent backward, before averaging."""
+        return dict(self._last_param_grads)
+
+    def global_name(self, local_name: str) -> str:
+        """Map ``"1.weight"`` in this stage to ``"<first_layer_index + 1>.weight"``."""
+        index, _, rest = local_name.partition(".")
+        return f"{int(index) + self.config.first_layer_index}.{rest}"
+
+    def parameters_by_name(self) -> dict[str, nn.Parameter]:
+        """The live parameters keyed by global name (layer index in the whole model + attribute path).
+
+        Change them only through `assign_parameters` or in place under ``torch.no_grad()`` (e.g.
+        ``p.copy_(avg)``, never ``p.data.copy_``) so the executor sees a new weight version.
+        """
+        return {self.global_name(n): p for n, p in self.module.named_parameters()}
+
+    def buffers_by_name(self) -> dict[str, Tensor]:
+        """The live buffers (e.g. BatchNorm statistics) keyed by global name."""
+        return {self.global_name(n): b for n, b in self.module.named_buffers()}
+
+    # ----- the pipeline --------------------------------------------------------------------------
+    def forward(self, micro_batch_id: int, inputs: Tensor) -> Tensor:
+        """Run the stage forward for a micro-batch and keep what its backward needs.
+
+        Returns:
+            The stage output, detached (to send to the next stage).
+
+        Raises:
+            InvalidMessage: last stage, duplicate id, bad input; `PipelineFull` at ``max_in_flight``.
+        """
+        mb = check_micro_batch_id(micro_batch_id)
+        if self.is_last:
+            raise InvalidMessage("the last stage takes forward_loss, not forward")
+        if mb in self._in_flight:
+            raise InvalidMessage(f"micro-batch {mb} is already in flight")
+        if len(self._in_flight) >= self.config.max_in_flight:
+            raise PipelineFull(f"{len(self._in_flight)} micro-batches in flight (max_in_flight reached)")
+        x = check_tensor(inputs, self.input_spec, f"input of micro-batch {mb}").to(self.device)
+        version, stash = self._current_stash()
+        x_in = self._leaf_input(x)
+        if self.config.recompute:
+            rng_state = torch.get_rng_state()
+            with torch.no_grad():
+                output = self._call(stash.params, x_in)
+            record = _InFlight(version, x_in, None, output.shape, output.dtype, rng_state)
+        else:
+            with torch.enable_grad():
+                output = self._call(stash.params, x_in)
+            record = _InFlight(version, x_in, output, output.shape, output.dtype, None)
+        stash.refcount += 1
+        self._in_flight[mb] = record
+        logger.debug("forward mb=%d version=%d in_flight=%d", mb, version, len(self._in_flight))
+        return output.detach()
+
+    def backward(self, micro_batch_id: int, grad_output: Tensor) -> Tensor | None:
+        """Backward of an in-flight micro-batch against the weights its forward used.
+
+        Returns:
+            Gradient w.r.t. the stage input, or None for the first stage.
+
+        Raises:
+            InvalidMessage: unknown id or a gradient not matching the forward's output.
+        """
+        mb = check_micro_batch_id(micro_batch_id)
+        record = self._in_flight.get(mb)
+        if record is None:
+            raise InvalidMessage(f"micro-batch {mb} is not in flight at this stage")
+        grad = check_matches(
+            grad_output, record.output_shape, record.output_dtype, f"gradient of micro-batch {mb}"
+        ).to(self.device)
+        stash = self._stash[record.version]
+        output = record.output if record.output is not None else self._recompute(record, stash)
+        grad_input = self._backprop(output, grad, record.inputs, stash)
+        del self._in_flight[mb]
+        stash.refcount -= 1
+        self._after_backward()
+        logger.debug("backward mb=%d version=%d", mb, record.version)
+        return grad_input
+
+    def forward_loss(self, micro_batch_id: int, inputs: Tensor, labels: Tensor) -> LossResult:
+        """Last stage: forward, loss and backward at once.
+
+        Returns:
+            The micro-batch's mean loss and the gradient w.r.t. the stage input (None if first).
+
+        Raises:
+            InvalidMessage: not the last stage, id in flight, bad input or labels.
+        """
+        mb = check_micro_batch_id(micro_batch_id)
+        if not self.is_last:
+            raise InvalidMessage("forward_loss is only valid on the last stage")
+        if mb in self._in_flight:
+            raise InvalidMessage(f"micro-batch {mb} is already in flight")
+        x = check_tensor(inputs, self.input_spec, f"input of micro-batch {mb}").to(self.device)
+        assert self.label_spec is not None
+        y = check_tensor(labels, self.label_spec, f"labels of micro-batch {mb}", batch_size=x.shape[0])
+        _, stash = self._current_stash()
+        x_in = self._leaf_input(x)
+        with torch.enable_grad():
+            loss = self._loss_fn(self._call(stash.params, x_in), y.to(self.device))
+        grad_input = self._backprop(loss, None, x_in, stash)
+        self._after_backward()
+        return LossResult(loss=float(loss.detach()), grad_input=grad_input)
+
+    def predict(self, inputs: Tensor) -> Tensor:
+        """Evaluation forward with the live weights (eval mode, no grad, no state kept)."""
+        x = check_tensor(inputs, self.input_spec, "input").to(self.device)
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                return self.module(x)
+        finally:
+            self.module.train()
+
+    # ----- parameters and checkpoints ------------------------------------------------------------
+    def assign_parameters(self, named: Mapping[str, Tensor]) -> None:
+        """Overwrite live parameters/buffers by global name (e.g. with an average); a new version.
+
+        Raises:
+            ValueError: unknown name or shape mismatch (nothing is changed then).
+        """
+        targets = {**self.parameters_by_name(), **self.buffers_by_name()}
+        for name, value in named.items():
+            if name not in targets:
+                raise ValueError(f"unknown parameter {name!r} for this stage")
+            if tuple(value.shape) != tuple(targets[name].shape):
+                raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(targets[name].shape)}")
+        with torch.no_grad():
+            for name, value in named.items():
+                targets[name].copy_(value)
+        self._new_version()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Parameters, buffers (global names), optimizer and scheduler state, counters."""
+        tensors = {
+            n: t.detach().clone() for n, t in {**self.parameters_by_name(), **self.buffers_by_name()}.items()
+        }
+        return {
+            "weight_version": self._weight_version,
+            "num_steps": self._num_steps,
+            "tensors": tensors,
+            "optimizer": self._optimizer.state_dict() if self._optimizer else None,
+            "scheduler": self._scheduler.state_dict() if self._scheduler else None,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a `state_dict` of a stage with the same layers; drops pending gradients.
+
+        Raises:
+            RuntimeError: micro-batches are in flight.
+            ValueError: names or shapes do not match this stage.
+        """
+        if self._in_flight:
+            raise RuntimeError(f"cannot load state with micro-batches in flight: {self.in_flight}")
+        tensors = state["tensors"]
+        expected = {**self.parameters_by_name(), **self.buffers_by_name()}
+        if set(tensors) != set(expected):
+            raise ValueError(f"state names differ from this stage: {sorted(set(tensors) ^ set(expected))}")
+        self.assign_parameters(tensors)
+        if self._optimizer is not None and self._scheduler is not None:
+            self._optimizer.load_state_dict(state["optimizer"])
+            self._scheduler.load_state_dict(state["scheduler"])
+            self._optimizer.zero_grad(set_to_none=True)
+        self._num_accumulated = 0
+        self._num_steps = int(state["num_steps"])
+        self._weight_version = int(state["weight_version"])
+        self._stash.clear()
+
+    # ----- internals -----------------------------------------------------------------------------
+    def _call(self, params: dict[str, Tensor], x: Tensor, buffers: dict[str, Tensor] | None = None) -> Tensor:
+        out: Tensor = functional_call(self.module, {**params, **(buffers or {})}, (x,))
+        return out
+
+    def _leaf_input(self, x: Tensor) -> Tensor:
+        needs_grad = not self.is_first and x.is_floating_point()
+        return x.detach().requires_grad_(needs_grad)
+
+    def _live_versions(self) -> tuple[int, ...]:
+        return tuple(p._version for p in self._trainable.values())
+
+    def _current_stash(self) -> tuple[int, _Stash]:
+        live_versions = self._live_versions()
+        stash = self._stash.get(self._weight_version)
+        if stash is not None and stash.live_versions != live_versions:
+            logger.debug("live parameters changed outside the executor; new weight version")
+            self._new_version()
+            stash = None
+        if stash is None:
+            params = {n: p.detach().clone().requires_grad_(True) for n, p in self._trainable.items()}
+            stash = _Stash(params, live_versions)
+            self._stash[self._weight_version] = stash
+        return self._weight_version, stash
+
+    def _recompute(self, record: _InFlight, stash: _Stash) -> Tensor:
+        throwaway_buffers = {n: b.clone() for n, b in self.module.named_buffers()}
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            assert record.rng_state is not None
+            torch.set_rng_state(record.rng_state)
+            return self._call(stash.params, record.inputs, throwaway_buffers)
+
+    def _backprop(self, output: Tensor, grad: Tensor | None, x_in: Tensor, stash: _Stash) -> Tensor | None:
+        names = list(stash.params)
+        wrt = [stash.params[n] for n in names] + ([x_in] if x_in.requires_grad else [])
+        grads = torch.autograd.grad(output, wrt, grad_outputs=grad, allow_unused=True)
+        param_grads = {
+            n: g if g is not None else torch.zeros_like(stash.params[n])
+            for n, g in zip(names, grads[: len(names)], strict=True)
+        }
+        self._last_param_grads = {self.global_name(n): g for n, g in param_grads.items()}
+        for n, g in param_grads.items():
+            p = self._trainable[n]
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.add_(g)
+        return grads[-1] if x_in.requires_grad else None
+
+    def _after_backward(self) -> None:
+        self._num_accumulated += 1
+        if self._num_accumulated < self.config.update_every:
+            return
+        if self._optimizer is not None and self._scheduler is not None:
+            if self.config.update_every > 1:
+                for p in self._trainable.values():
+                    if p.grad is not None:
+                        p.grad.div_(self.config.update_every)
+            self._optimizer.step()
+            self._scheduler.step()
+            self._optimizer.zero_grad(set_to_none=True)
+        self._num_accumulated = 0
+        self._num_steps += 1
+        self._new_version()
+
+    def _new_version(self) -> None:
+        self._weight_version += 1
+        for version in [v for v, s in self._stash.items() if s.refcount == 0]:
+            del self._stash[version]
