@@ -1,0 +1,278 @@
+"""DT-FM communication cost model (Yuan et al., NeurIPS 2022, arXiv 2206.01288, eqs. 1-4).
+
+Problem. ``N = D_PP * D_DP`` devices train a model cut into ``D_PP`` pipeline stages, each stage
+replicated ``D_DP`` times (tasklets = stage x replica). A *placement* partitions the devices into
+``D_PP`` groups of ``D_DP`` devices; every device of a group holds the same stage. Given the symmetric
+latency matrix ``alpha`` (seconds) and bandwidth matrix ``beta`` (bytes/s), its cost per iteration is
+
+* data parallel (eq. 2): each group all-reduces ``c_dp`` bytes with a scatter-gather all-reduce where
+  every device exchanges a ``c_dp / D_DP`` shard with every other device of its group, twice::
+
+      DP(group) = max_{d in group} sum_{d' in group, d' != d} 2 (alpha[d,d'] + c_dp / (D_DP beta[d,d']))
+      DP = max over groups                     (groups run concurrently)
+
+* pipeline parallel (eqs. 3-4): consecutive stages exchange ``c_pp`` bytes of activations forward and
+  as many gradients backward, each device of one group paired with one of the next; the pairing is the
+  *bottleneck perfect matching* of the weights ``2 (alpha + c_pp / beta)`` and the stage order is the
+  *open-loop travelling-salesman path* over the groups with those bottleneck values as distances::
+
+      PP = min over paths g_1 .. g_{D_PP} of sum_i bottleneck_matching(g_i, g_{i+1})
+
+* total = DP + PP (the paper's communication cost; computation is the same in every placement).
+
+Methods. Bottleneck matching: binary search over the distinct weights above an easy lower bound (the
+largest row or column minimum), each step a Kuhn augmenting-path test on bitmask adjacency; exact.
+Open-loop TSP: Held-Karp over (visited set, last group), vectorised over subsets; exact, O(2^n n^2),
+fine up to ~14 stages. Both are checked against brute force in the unit tests.
+
+Alternatives rejected: Hungarian (min-sum) matching answers a different question (the slowest pair
+sets the pace, not the average); nearest-neighbour TSP is not exact and the exact one is cheap at the
+stage counts pipelines use. Limits: the model ignores contention on shared links and overlap of
+communication with compute, exactly as the paper does.
+
+The search over placements lives in `dtfm_search`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+__all__ = [
+    "CostModel",
+    "Placement",
+    "Workload",
+    "bottleneck_matching",
+    "open_loop_tsp",
+    "random_placement",
+]
+
+Placement = tuple[tuple[int, ...], ...]
+"""``D_PP`` groups of ``D_DP`` device indices each; a group's stage position is chosen by the TSP."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Sizes of the tasklet grid and of what crosses the links per iteration.
+
+    Attributes:
+        num_stages: ``D_PP``, pipeline stages.
+        num_replicas: ``D_DP``, data-parallel replicas of each stage.
+        c_dp_bytes: parameter (gradient) bytes of one stage, all-reduced per iteration.
+        c_pp_bytes: activation bytes one device sends to the next stage per iteration (and as many
+            gradient bytes back).
+    """
+
+    num_stages: int
+    num_replicas: int
+    c_dp_bytes: float
+    c_pp_bytes: float
+
+
+def _row_masks(allowed: np.ndarray) -> list[int]:
+    """Each row of a boolean matrix as an int bitmask of its allowed columns."""
+    size = allowed.shape[1]
+    if size <= 62:
+        powers = np.left_shift(np.int64(1), np.arange(size, dtype=np.int64))
+        return [int(m) for m in (allowed.astype(np.int64) * powers).sum(axis=1)]
+    return [int(sum(1 << int(c) for c in np.flatnonzero(row))) for row in allowed]
+
+
+def _kuhn(adjacency: Sequence[int], size: int, *, perfect: bool) -> tuple[int, list[int]]:
+    """Kuhn's augmenting paths on bitmask rows.
+
+    Returns:
+        ``(matched, row_of_col)``; with ``perfect=True`` it stops at the first unmatched row.
+    """
+    row_of_col = [-1] * size
+
+    def augment(row: int, visited: list[int]) -> bool:
+        candidates = adjacency[row] & ~visited[0]
+        while candidates:
+            low = candidates & -candidates
+            candidates ^= low
+            if visited[0] & low:
+                continue
+            visited[0] |= low
+            col = low.bit_length() - 1
+            if row_of_col[col] < 0 or augment(row_of_col[col], visited):
+                row_of_col[col] = row
+                return True
+        return False
+
+    matched = 0
+    for row in range(len(adjacency)):
+        if augment(row, [0]):
+            matched += 1
+        elif perfect:
+            return matched, row_of_col
+    return matched, row_of_col
+
+
+def max_matching_size(weights: np.ndarray, threshold: float) -> int:
+    """Size of a maximum matching using only entries ``<= threshold`` (a search tie-breaker)."""
+    return _kuhn(_row_masks(weights <= threshold), weights.shape[1], perfect=False)[0]
+
+
+def bottleneck_matching(weights: np.ndarray) -> tuple[float, tuple[int, ...]]:
+    """Perfect matching of rows to columns minimising the largest matched weight.
+
+    Args:
+        weights: square matrix, ``weights[i, j]`` = cost of pairing row ``i`` with column ``j``.
+
+    Returns:
+        ``(bottleneck, col_of_row)``.
+    """
+    size = weights.shape[0]
+    if size == 0:
+        return 0.0, ()
+    # Every row and every column must be matched: the largest row/column minimum is a lower bound,
+    # and on structured networks it is usually the answer (one Kuhn run instead of a search).
+    lower = max(float(weights.min(axis=1).max()), float(weights.min(axis=0).max()))
+    levels = np.unique(weights[weights >= lower])
+
+    def feasible(index: int) -> list[int] | None:
+        matched, row_of_col = _kuhn(_row_masks(weights <= levels[index]), size, perfect=True)
+        return row_of_col if matched == size else None
+
+    best = feasible(0)
+    lo = 0
+    if best is None:
+        lo, hi = 1, len(levels) - 1  # the last level allows every pair: always feasible
+        best = feasible(hi)
+        assert best is not None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            found = feasible(mid)
+            if found is None:
+                lo = mid + 1
+            else:
+                hi, best = mid, found
+    col_of_row = [0] * size
+    for col, row in enumerate(best):
+        col_of_row[row] = col
+    return float(levels[lo]), tuple(col_of_row)
+
+
+@lru_cache(maxsize=32)
+def _masks_by_size(n: int) -> tuple[np.ndarray, ...]:
+    masks = np.arange(1 << n)
+    counts = np.array([bin(m).count("1") for m in range(1 << n)])
+    return tuple(masks[counts == k] for k in range(n + 1))
+
+
+def open_loop_tsp(distances: np.ndarray) -> tuple[float, tuple[int, ...]]:
+    """Shortest Hamiltonian path (any start, any end) through a symmetric or asymmetric matrix.
+
+    Returns:
+        ``(length, order)``; exact (Held-Karp). Ties go to the lowest indices.
+    """
+    n = distances.shape[0]
+    if n <= 1:
+        return 0.0, tuple(range(n))
+    full = (1 << n) - 1
+    cost = np.full((1 << n, n), np.inf)
+    parent = np.full((1 << n, n), -1, dtype=np.int64)
+    for j in range(n):
+        cost[1 << j, j] = 0.0
+    by_size = _masks_by_size(n)
+    for k in range(2, n + 1):
+        masks = by_size[k]
+        for j in range(n):
+            sel = masks[(masks >> j) & 1 == 1]
+            prev = sel ^ (1 << j)
+            options = cost[prev] + distances[:, j][None, :]
+            arg = np.argmin(options, axis=1)
+            cost[sel, j] = options[np.arange(len(sel)), arg]
+            parent[sel, j] = arg
+    last = int(np.argmin(cost[full]))
+    length = float(cost[full, last])
+    order = [last]
+    mask = full
+    while len(order) < n:
+        prev_node = int(parent[mask, order[-1]])
+        mask ^= 1 << order[-1]
+        order.append(prev_node)
+    return length, tuple(reversed(order))
+
+
+def random_placement(workload: Workload, rng: np.random.Generator) -> Placement:
+    """A uniformly random partition of ``D_PP * D_DP`` devices into groups (the paper's baseline)."""
+    devices = rng.permutation(workload.num_stages * workload.num_replicas)
+    k = workload.num_replicas
+    return tuple(tuple(sorted(int(d) for d in devices[i * k : (i + 1) * k])) for i in range(workload.num_stages))
+
+
+class CostModel:
+    """DT-FM cost of placements on one network (matrices are fixed; pair costs are memoised).
+
+    Args:
+        latency_s: ``(N, N)`` one-way cost per message, seconds (the data sets use the ping RTT).
+        bandwidth_bytes_per_s: ``(N, N)`` link bandwidth, bytes per second.
+        workload: stage/replica counts and message sizes.
+    """
+
+    def __init__(self, latency_s: np.ndarray, bandwidth_bytes_per_s: np.ndarray, workload: Workload):
+        n = workload.num_stages * workload.num_replicas
+        if latency_s.shape != (n, n) or bandwidth_bytes_per_s.shape != (n, n):
+            raise ValueError(f"matrices must be {n}x{n} for {workload}")
+        if np.any(bandwidth_bytes_per_s[~np.eye(n, dtype=bool)] <= 0) or np.any(latency_s < 0):
+            raise ValueError("bandwidth must be > 0 and latency >= 0 off the diagonal")
+        self.workload = workload
+        safe_beta = np.where(np.eye(n, dtype=bool), 1.0, bandwidth_bytes_per_s)
+        dp = 2.0 * (latency_s + workload.c_dp_bytes / (workload.num_replicas * safe_beta))
+        np.fill_diagonal(dp, 0.0)
+        self.dp_weights = dp
+        self.pp_weights = 2.0 * (latency_s + workload.c_pp_bytes / safe_beta)
+        self._edge_cache: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
+
+    @property
+    def num_devices(self) -> int:
+        return int(self.dp_weights.shape[0])
+
+    def group_dp_cost(self, group: Sequence[int]) -> float:
+        idx = np.asarray(group)
+        return float(self.dp_weights[np.ix_(idx, idx)].sum(axis=1).max())
+
+    def dp_cost(self, placement: Placement) -> float:
+        """Eq. 2: the slowest all-reduce over all stage groups."""
+        return max(self.group_dp_cost(g) for g in placement)
+
+    def edge_cost(self, a: tuple[int, ...], b: tuple[int, ...]) -> float:
+        """Bottleneck-matching cost between two groups (memoised; groups as sorted tuples)."""
+        key = (a, b) if a <= b else (b, a)
+        value = self._edge_cache.get(key)
+        if value is None:
+            if len(self._edge_cache) > 200_000:
+                self._edge_cache.clear()
+            value = bottleneck_matching(self.pp_weights[np.ix_(np.asarray(a), np.asarray(b))])[0]
+            self._edge_cache[key] = value
+        return value
+
+    def edge_matrix(self, placement: Placement) -> np.ndarray:
+        k = len(placement)
+        matrix = np.zeros((k, k))
+        for i in range(k):
+            for j in range(i + 1, k):
+                matrix[i, j] = matrix[j, i] = self.edge_cost(placement[i], placement[j])
+        return matrix
+
+    def pp_cost(self, placement: Placement) -> tuple[float, tuple[int, ...]]:
+        """Eqs. 3-4: open-loop TSP over groups with bottleneck-matching distances; returns the order."""
+        return open_loop_tsp(self.edge_matrix(placement))
+
+    def cost(self, placement: Placement) -> float:
+        """Total DT-FM communication cost (seconds per iteration) of ``placement``."""
+        return self.dp_cost(placement) + self.pp_cost(placement)[0]
+
+    def check(self, placement: Placement) -> None:
+        """Raise ValueError unless ``placement`` is a partition into equal groups of the right sizes."""
+        w = self.workload
+        flat = sorted(d for g in placement for d in g)
+        if len(placement) != w.num_stages or any(len(g) != w.num_replicas for g in placement):
+            raise ValueError("placement must have num_stages groups of num_replicas devices")
+        if flat != list(range(self.num_devices)):
+            raise ValueError("placement must use every device exactly once")
