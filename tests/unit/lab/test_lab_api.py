@@ -1,0 +1,75 @@
+"""Pure parts of the lab: public API, addressing scheme, name checks, throttle arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+import ravnest_p2p.lab as lab
+from ravnest_p2p.lab.netns import NetnsLab, lab_address
+from ravnest_p2p.lab.profiles import parse_profile
+from ravnest_p2p.lab.throttle import ComputeThrottle, ThrottleBackend, thread_env
+
+
+def _profile(num_peers: int = 2) -> lab.SwarmProfile:
+    return parse_profile({"run_id": "x", "peers": [{"name": f"p{i}"} for i in range(num_peers)]})
+
+
+def test_public_api_is_pinned() -> None:
+    assert sorted(lab.__all__) == [
+        "ComputeThrottle",
+        "NetnsLab",
+        "PeerProfile",
+        "ShapingMode",
+        "SwarmProfile",
+        "ThrottleBackend",
+        "TransferResult",
+        "WorkloadProfile",
+        "detect_backend",
+        "lab_address",
+        "load_profile",
+        "parse_profile",
+        "receive_once",
+        "remove_leftovers",
+        "send_bytes",
+        "thread_env",
+    ]
+
+
+def test_addresses_are_unique_and_in_benchmark_range() -> None:
+    addresses = [lab_address(i) for i in range(1000)]
+    assert len(set(addresses)) == 1000
+    assert addresses[:2] == ["198.18.0.1", "198.18.0.2"]
+    assert lab_address(250) == "198.18.1.1"
+    for a in addresses:
+        first, second, third, fourth = (int(x) for x in a.split("."))
+        assert (first, second) == (198, 18) and 0 <= third < 256 and 1 <= fourth <= 250
+    with pytest.raises(ValueError):
+        lab_address(-1)
+
+
+@pytest.mark.parametrize("prefix", ["", "Rvt", "1abc", "rvt-1", "abcdefghi"])
+def test_bad_prefix_rejected(prefix: str) -> None:
+    with pytest.raises(ValueError, match="prefix"):
+        NetnsLab(_profile(), prefix=prefix)
+
+
+def test_names_fit_interface_limit() -> None:
+    netlab = NetnsLab(_profile(3), prefix="abcdefgh")
+    assert netlab.namespace_of("p2") == "abcdefgh-2"
+    assert netlab.address_of(1) == "198.18.0.2"
+    assert len(netlab.interface_of(2)) <= 15
+    with pytest.raises(ValueError):
+        netlab.address_of(3)
+
+
+def test_throttle_quota_and_thread_env() -> None:
+    throttle = ComputeThrottle(name="t", slowdown=4.0, base_cpus=2.0, backend=ThrottleBackend.SIGSTOP)
+    assert throttle.quota_us == 50_000
+    assert throttle.wrap_argv(["a", "b"]) == ["a", "b"]
+    assert thread_env(3)["OMP_NUM_THREADS"] == "3"
+    with pytest.raises(ValueError):
+        ComputeThrottle(name="t", slowdown=0.5)
+    with pytest.raises(ValueError):
+        ComputeThrottle(name="bad name", slowdown=2.0)
+    with pytest.raises(ValueError):
+        thread_env(0)
