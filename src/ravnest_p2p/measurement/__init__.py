@@ -1,1 +1,7 @@
-__all__: list[str] = []
+"""Self-measurement: compute (matmul FLOP/s), free memory, and network (RTT, bandwidth) probes."""
+
+from ravnest_p2p.measurement.compute import measure_matmul_flops
+from ravnest_p2p.measurement.memory import free_memory_bytes
+from ravnest_p2p.measurement.network import LinkEstimate, NetworkMeter, ProbeConfig
+
+__all__ = ["LinkEstimate", "NetworkMeter", "ProbeConfig", "free_memory_bytes", "measure_matmul_flops"]

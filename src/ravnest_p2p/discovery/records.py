@@ -1,0 +1,97 @@
+"""The signed, expiring record each peer publishes about itself, and how untrusted copies are checked.
+
+A record arrives from the DHT as msgpack under a subkey holding its owner's RSA public key; hivemind's
+`RSASignatureValidator` has already checked the signature. We then (1) validate the value as a
+`PeerRecord` with strict ranges (no NaN/inf; physically absurd figures such as 10^18 FLOP/s are refused
+so a liar cannot distort the plan), (2) check that the peer id it claims is the one derived from the
+signing key, and (3) check the schema's major version. Anything failing is dropped, never repaired.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from pydantic import Field, StringConstraints, ValidationError
+
+from ravnest_p2p.errors import InvalidRecord
+from ravnest_p2p.types import PeerState, WireModel
+
+__all__ = [
+    "MAX_BANDWIDTH_MBPS",
+    "MAX_FLOPS",
+    "SCHEMA_VERSION",
+    "PeerRecord",
+    "owner_public_key",
+    "parse_peer_record",
+]
+
+SCHEMA_VERSION = 1
+# Bounds on what one volunteer machine can be: a few of today's largest accelerators' dense throughput,
+# a large host's memory, a datacenter NIC. Anything beyond is a bug or a lie.
+MAX_FLOPS = 5e15
+MAX_MEMORY_BYTES = 4 * 2**40
+MAX_BANDWIDTH_MBPS = 400_000.0
+MAX_RTT_MS = 60_000.0
+
+_PUBLIC_KEY_RE = re.compile(rb"\[owner:(.+?)\]")
+
+PeerIdStr = Annotated[
+    str, StringConstraints(min_length=10, max_length=128, pattern=r"^[1-9A-HJ-NP-Za-km-z]+$")
+]
+Maddr = Annotated[str, StringConstraints(min_length=4, max_length=512)]
+ShortStr = Annotated[str, StringConstraints(max_length=64)]
+
+
+class PeerRecord(WireModel):
+    """What a peer says about itself. Units are in the field names; every number is range-checked."""
+
+    schema_version: int = Field(default=SCHEMA_VERSION, ge=1, le=1000)
+    peer_id: PeerIdStr
+    maddrs: tuple[Maddr, ...] = Field(default=(), max_length=16)
+    software_version: ShortStr = ""
+    device: ShortStr = "cpu"
+    flops: float = Field(ge=0, le=MAX_FLOPS, description="measured matmul FLOP/s in the training dtype")
+    free_memory_bytes: int = Field(ge=0, le=MAX_MEMORY_BYTES)
+    upload_mbps: float = Field(default=0.0, ge=0, le=MAX_BANDWIDTH_MBPS)
+    download_mbps: float = Field(default=0.0, ge=0, le=MAX_BANDWIDTH_MBPS)
+    rtt_ms: float | None = Field(default=None, ge=0, le=MAX_RTT_MS)
+    state: PeerState = PeerState.JOINING
+    client_mode: bool = False
+    epoch: int = Field(default=0, ge=0, le=2**62)
+    cluster: int | None = Field(default=None, ge=0, le=100_000)
+    stage: int | None = Field(default=None, ge=0, le=100_000)
+    updated_at: float = Field(ge=0, description="DHT time of publication")
+
+
+def owner_public_key(subkey: Any) -> bytes | None:
+    """The OpenSSH public key embedded in a protected subkey, or None for an unprotected one."""
+    if not isinstance(subkey, bytes):
+        return None
+    match = _PUBLIC_KEY_RE.search(subkey)
+    return match.group(1) if match else None
+
+
+def parse_peer_record(value: Any, *, signer_peer_id: str | None) -> PeerRecord:
+    """Validate an untrusted record value; raise `InvalidRecord` with the reason.
+
+    Args:
+        value: the decoded msgpack value from the DHT.
+        signer_peer_id: the peer id derived from the subkey's signing key; None if the subkey carried no
+            key (never acceptable for peer records).
+    """
+    if signer_peer_id is None:
+        raise InvalidRecord("record is not signed by an owner key")
+    if not isinstance(value, dict):
+        raise InvalidRecord(f"record is a {type(value).__name__}, not a map")
+    version = value.get("schema_version")
+    if not isinstance(version, int) or version != SCHEMA_VERSION:
+        raise InvalidRecord(f"unsupported schema version {version!r}")
+    try:
+        record = PeerRecord.model_validate(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise InvalidRecord(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    if record.peer_id != signer_peer_id:
+        raise InvalidRecord(f"record claims peer {record.peer_id} but is signed by {signer_peer_id}")
+    return record

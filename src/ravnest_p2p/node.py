@@ -1,0 +1,193 @@
+"""The peer's composition root: identity → host → DHT → probes → announcer and directory.
+
+Nothing here decides anything; it builds the parts from one `PeerConfig`, starts their loops under one
+`TaskOwner`, and closes them in reverse order.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ravnest_p2p import __version__
+from ravnest_p2p.discovery import Announcer, PeerDirectory, PeerRecord, RunDHT, dht_time
+from ravnest_p2p.measurement import NetworkMeter, ProbeConfig, free_memory_bytes, measure_matmul_flops
+from ravnest_p2p.transport import HostConfig, P2PTransport, RpcEndpoint, load_or_create_identity
+from ravnest_p2p.types import PeerState
+from ravnest_p2p.utils import TaskOwner, run_in_compute_thread
+
+__all__ = ["Peer", "PeerConfig", "PeerStatus"]
+
+logger = logging.getLogger(__name__)
+
+
+class PeerConfig(BaseModel):
+    """Everything a peer needs to start. The CLI flags and `--config FILE` both fill this."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_id: str = Field(default="default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    initial_peers: tuple[str, ...] = ()
+    identity_path: Path | None = None
+    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    client_mode: bool = False
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_memory_gb: float | None = Field(default=None, gt=0)
+    record_ttl_s: float = Field(default=45.0, gt=2)
+    directory_refresh_s: float = Field(default=3.0, gt=0)
+    status_interval_s: float = Field(default=10.0, gt=0)
+    check_identity_free: bool = True
+    probe: ProbeConfig = ProbeConfig()
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if value != "cpu" and not value.startswith(("cuda", "mps")):
+            raise ValueError("device must be cpu, cuda[:N] or mps")
+        return value
+
+
+@dataclass(frozen=True)
+class PeerStatus:
+    peer_id: str
+    state: PeerState
+    num_peers_seen: int
+    flops: float
+    upload_mbps: float
+    download_mbps: float
+    rtt_ms: float | None
+
+    def line(self) -> str:
+        rtt = f"{self.rtt_ms:.1f} ms" if self.rtt_ms is not None else "-"
+        return (
+            f"state={self.state} peers={self.num_peers_seen} compute={self.flops / 1e9:.1f} GFLOP/s "
+            f"up={self.upload_mbps:.1f} Mbit/s down={self.download_mbps:.1f} Mbit/s rtt={rtt}"
+        )
+
+
+class Peer:
+    """A running volunteer peer. Create with `await Peer.start(config)`; close with `await peer.aclose()`."""
+
+    def __init__(self, config: PeerConfig, transport: P2PTransport, dht: RunDHT) -> None:
+        self.config = config
+        self.transport = transport
+        self.dht = dht
+        self.rpc = RpcEndpoint(transport, config.run_id)
+        self.meter = NetworkMeter(self.rpc, config.probe)
+        self.directory = PeerDirectory(dht, transport, refresh_period_s=config.directory_refresh_s)
+        self.announcer = Announcer(dht, self._make_record, ttl_s=config.record_ttl_s)
+        self.state = PeerState.JOINING
+        self.flops = 0.0
+        self._maddrs: list[str] = []
+        self._tasks = TaskOwner(f"peer-{transport.peer_id[-6:]}")
+        self._closed = False
+
+    @classmethod
+    async def start(cls, config: PeerConfig) -> Peer:
+        identity = load_or_create_identity(config.identity_path)
+        host = HostConfig(
+            initial_peers=config.initial_peers,
+            host_maddrs=config.host_maddrs,
+            announce_maddrs=config.announce_maddrs,
+            use_relay=config.use_relay,
+            use_auto_relay=config.use_auto_relay,
+            client_mode=config.client_mode,
+            check_identity_free=config.check_identity_free,
+        )
+        transport = await P2PTransport.create(host, identity)
+        try:
+            dht = await RunDHT.create(
+                transport,
+                run_id=config.run_id,
+                initial_peers=config.initial_peers,
+                client_mode=config.client_mode,
+            )
+        except BaseException:
+            await transport.aclose()
+            raise
+        peer = cls(config, transport, dht)
+        try:
+            await peer._start()
+        except BaseException:
+            await peer.aclose()
+            raise
+        return peer
+
+    async def _start(self) -> None:
+        self._maddrs = [] if self.config.client_mode else await self.transport.visible_maddrs()
+        await self.meter.serve()
+        self.flops = await run_in_compute_thread(measure_matmul_flops, self.config.device, self.config.dtype)
+        self.state = PeerState.READY
+        await self.announcer.publish_once()
+        self._tasks.spawn(self.announcer.run(), name="announce")
+        self._tasks.spawn(self.directory.run(), name="directory")
+        self._tasks.spawn(self.meter.run(self._probe_candidates, self.announcer.refresh_soon), name="probe")
+        logger.info("peer %s ready: %.1f GFLOP/s", self.peer_id, self.flops / 1e9)
+
+    @property
+    def peer_id(self) -> str:
+        return self.transport.peer_id
+
+    @property
+    def maddrs(self) -> list[str]:
+        return list(self._maddrs)
+
+    def _probe_candidates(self) -> list[str]:
+        return [
+            pid for pid, rec in self.directory.active(exclude=self.peer_id).items() if not rec.client_mode
+        ]
+
+    def _make_record(self) -> PeerRecord:
+        up, down, rtt = self.meter.summary()
+        return PeerRecord(
+            peer_id=self.peer_id,
+            maddrs=tuple(self._maddrs),
+            software_version=f"ravnest_p2p/{__version__} py/{platform.python_version()}",
+            device=self.config.device,
+            flops=self.flops,
+            free_memory_bytes=free_memory_bytes(self.config.device, cap_gb=self.config.max_memory_gb),
+            upload_mbps=up,
+            download_mbps=down,
+            rtt_ms=rtt,
+            state=self.state,
+            client_mode=self.config.client_mode,
+            updated_at=dht_time(),
+        )
+
+    def status(self) -> PeerStatus:
+        up, down, rtt = self.meter.summary()
+        return PeerStatus(
+            peer_id=self.peer_id,
+            state=self.state,
+            num_peers_seen=len(self.directory.active(exclude=self.peer_id)),
+            flops=self.flops,
+            upload_mbps=up,
+            download_mbps=down,
+            rtt_ms=rtt,
+        )
+
+    async def aclose(self, *, drain: bool = True) -> None:
+        """Announce draining (unless told not to), stop every loop, leave the DHT, stop the daemon."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._tasks.aclose()
+        if drain and self.state != PeerState.JOINING:
+            self.state = PeerState.DRAINING
+            await self.announcer.drain()
+        await self.dht.aclose()
+        await self.transport.aclose()
+
+    async def __aenter__(self) -> Peer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,220 @@
+"""The real transport: hivemind's in-loop `P2P` (a libp2p daemon child process) behind our seam.
+
+Small requests go as unary calls over the daemon's persistent connection; requests above
+`UNARY_LIMIT_BYTES`, and methods flagged as having large replies, go over a fresh libp2p stream with
+length-prefixed frames (`wire.write_frame`). Every handler is registered on both paths.
+
+Dialling: the daemon cannot route to a peer it has never been connected to ("routing: not found"), so
+before the first call to a peer we connect to it by the multiaddrs from its record (`add_addresses`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from google.protobuf.wrappers_pb2 import BytesValue
+from hivemind.p2p import P2P, P2PContext, P2PDaemonError, P2PHandlerError, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+from pydantic import BaseModel, ConfigDict, Field
+
+from ravnest_p2p.errors import ConfigError, PayloadTooLarge, PeerUnreachable, TransportError
+from ravnest_p2p.transport.base import UNARY_LIMIT_BYTES, RawHandler
+from ravnest_p2p.transport.identity import Identity
+from ravnest_p2p.transport.wire import error_envelope, read_frame, write_frame
+
+__all__ = ["HostConfig", "P2PTransport"]
+
+logger = logging.getLogger(__name__)
+
+_STREAM_SUFFIX = "/stream"
+_RECONNECT_AFTER_S = 30.0
+
+
+class HostConfig(BaseModel):
+    """How the libp2p host listens and joins. Defaults suit loopback tests."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    initial_peers: tuple[str, ...] = ()
+    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_maddrs: tuple[str, ...] = ()
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    client_mode: bool = False
+    startup_timeout_s: float = Field(default=20.0, gt=0)
+    check_identity_free: bool = True
+
+
+def _validate_maddrs(maddrs: Sequence[str], what: str) -> list[Multiaddr]:
+    out = []
+    for maddr in maddrs:
+        try:
+            out.append(Multiaddr(maddr))
+        except Exception:
+            raise ConfigError(f"{what}: {maddr!r} is not a valid multiaddr") from None
+    return out
+
+
+class P2PTransport:
+    """A started libp2p host plus the raw request/response handlers registered on it."""
+
+    def __init__(self, p2p: P2P, identity: Identity) -> None:
+        self._p2p = p2p
+        self.identity = identity
+        self._addresses: dict[str, list[Multiaddr]] = {}
+        self._connected_at: dict[str, float] = {}
+        self._dial_locks: dict[str, asyncio.Lock] = {}
+
+    @classmethod
+    async def create(cls, config: HostConfig, identity: Identity) -> P2PTransport:
+        initial = _validate_maddrs(config.initial_peers, "initial peer")
+        hosts = _validate_maddrs(config.host_maddrs, "host multiaddr")
+        announce = _validate_maddrs(config.announce_maddrs, "announce multiaddr")
+        with tempfile.TemporaryDirectory(prefix="ravnest-id-") as tmp:
+            if identity.path is not None:
+                identity_path, check_free = str(identity.path), config.check_identity_free
+            else:
+                # ephemeral identity: p2pd reads its key from a file once, at start; the file goes right after
+                identity_path, check_free = os.path.join(tmp, "identity.key"), False
+                fd = os.open(identity_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(identity.to_file_bytes())
+            p2p = await cls._start(config, initial, hosts, announce, identity_path, check_free)
+        if p2p.peer_id.to_base58() != identity.peer_id:
+            await p2p.shutdown()
+            raise TransportError("p2p daemon started with a different identity than the one loaded")
+        return cls(p2p, identity)
+
+    @staticmethod
+    async def _start(
+        config: HostConfig,
+        initial: list[Multiaddr],
+        hosts: list[Multiaddr],
+        announce: list[Multiaddr],
+        identity_path: str,
+        check_free: bool,
+    ) -> P2P:
+        try:
+            p2p = await P2P.create(
+                initial_peers=initial or None,
+                host_maddrs=hosts,
+                announce_maddrs=announce or None,
+                use_relay=config.use_relay,
+                use_auto_relay=config.use_auto_relay,
+                dht_mode="client" if config.client_mode else "server",
+                startup_timeout=config.startup_timeout_s,
+                identity_path=identity_path,
+                check_if_identity_free=check_free,
+            )
+        except P2PDaemonError as exc:
+            raise TransportError(f"cannot start the p2p daemon: {exc}") from None
+        return p2p
+
+    @property
+    def p2p(self) -> P2P:
+        """The hivemind object, for the DHT adapter only."""
+        return self._p2p
+
+    @property
+    def peer_id(self) -> str:
+        return str(self._p2p.peer_id.to_base58())
+
+    async def visible_maddrs(self) -> list[str]:
+        """Full multiaddrs (with /p2p/<id>) under which others can reach this peer."""
+        maddrs = await self._p2p.get_visible_maddrs(latest=True)
+        return [str(m) for m in maddrs]
+
+    def add_addresses(self, peer_id: str, maddrs: Sequence[str]) -> None:
+        parsed = []
+        for maddr in maddrs:
+            with contextlib.suppress(Exception):
+                m = Multiaddr(maddr)
+                # strip a trailing /p2p/<id>: the daemon wants the transport part only
+                parsed.append(m.decapsulate(Multiaddr(f"/p2p/{peer_id}")) if "p2p" in str(m) else m)
+        if parsed:
+            self._addresses[peer_id] = parsed
+
+    async def _ensure_connected(self, peer_id: str) -> None:
+        last = self._connected_at.get(peer_id)
+        if last is not None and time.monotonic() - last < _RECONNECT_AFTER_S:
+            return
+        maddrs = self._addresses.get(peer_id)
+        if not maddrs:
+            return  # rely on the daemon's own routing (DHT peers are usually connected already)
+        lock = self._dial_locks.setdefault(peer_id, asyncio.Lock())
+        async with lock:
+            if peer_id in self._connected_at and time.monotonic() - self._connected_at[peer_id] < 1.0:
+                return
+            try:
+                await self._p2p._client.connect(PeerID.from_base58(peer_id), maddrs)
+            except P2PDaemonError as exc:
+                raise PeerUnreachable(f"cannot dial {peer_id}: {exc}") from None
+            self._connected_at[peer_id] = time.monotonic()
+
+    async def add_handler(self, name: str, handler: RawHandler, *, max_request_bytes: int) -> None:
+        async def unary(request: BytesValue, context: P2PContext) -> BytesValue:
+            remote = context.remote_id.to_base58()
+            if len(request.value) > max_request_bytes:
+                return BytesValue(value=error_envelope("payload_too_large", f"{len(request.value)} bytes"))
+            return BytesValue(value=await handler(request.value, remote))
+
+        async def stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            remote = info.peer_id.to_base58()
+            try:
+                try:
+                    data = await read_frame(reader, max_bytes=max_request_bytes)
+                except PayloadTooLarge as exc:
+                    await write_frame(writer, error_envelope("payload_too_large", str(exc)))
+                    return
+                await write_frame(writer, await handler(data, remote))
+            except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                logger.debug("stream %s from %s broke: %r", name, remote, exc)
+            finally:
+                writer.close()
+
+        await self._p2p.add_protobuf_handler(name, unary, BytesValue)
+        await self._p2p.add_binary_stream_handler(name + _STREAM_SUFFIX, stream)
+
+    async def remove_handler(self, name: str) -> None:
+        with contextlib.suppress(P2PDaemonError):
+            await self._p2p.remove_protobuf_handler(name)
+        with contextlib.suppress(P2PDaemonError):
+            await self._p2p.remove_binary_stream_handler(name + _STREAM_SUFFIX)
+
+    async def call(
+        self, peer_id: str, name: str, data: bytes, *, stream: bool, max_response_bytes: int
+    ) -> bytes:
+        await self._ensure_connected(peer_id)
+        try:
+            remote = PeerID.from_base58(peer_id)
+        except Exception:
+            raise PeerUnreachable(f"{peer_id!r} is not a peer id") from None
+        try:
+            if not stream and len(data) <= UNARY_LIMIT_BYTES:
+                reply = await self._p2p.call_protobuf_handler(
+                    remote, name, BytesValue(value=data), BytesValue
+                )
+                if len(reply.value) > max_response_bytes:
+                    raise PayloadTooLarge(f"reply of {len(reply.value)} bytes exceeds {max_response_bytes}")
+                return bytes(reply.value)
+            _, reader, writer = await self._p2p.call_binary_stream_handler(remote, name + _STREAM_SUFFIX)
+            try:
+                with contextlib.suppress(ConnectionError):
+                    # if the server refused early (oversized), its error reply is still readable below
+                    await write_frame(writer, data)
+                return await read_frame(reader, max_bytes=max_response_bytes)
+            finally:
+                writer.close()
+        except (P2PDaemonError, P2PHandlerError, ConnectionError, asyncio.IncompleteReadError) as exc:
+            self._connected_at.pop(peer_id, None)
+            raise PeerUnreachable(f"call {name} to {peer_id} failed: {type(exc).__name__}: {exc}") from None
+
+    async def aclose(self) -> None:
+        await self._p2p.shutdown()
