@@ -163,6 +163,29 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
             pass
 
 
+def _entering_pids(namespaces: Sequence[str]) -> list[int]:
+    """Pids still running ``ip netns exec <ns>`` for one of ``namespaces``: started, not yet inside.
+
+    ``ip netns pids`` cannot see them, yet they would enter the namespace (keeping it alive, nameless)
+    right after we delete it.
+    """
+    wanted = set(namespaces)
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        for i in range(1, len(argv) - 2):  # also behind a wrapper such as the throttle's `sh -c`
+            if argv[i : i + 2] == [b"netns", b"exec"] and argv[i + 2].decode(errors="replace") in wanted:
+                pids.append(int(entry.name))
+                break
+    return pids
+
+
 def remove_leftovers(prefix: str, extra_pids: Sequence[int] = ()) -> None:
     """Remove every namespace, link and process of the lab with this prefix; idempotent.
 
@@ -176,6 +199,7 @@ def remove_leftovers(prefix: str, extra_pids: Sequence[int] = ()) -> None:
     for ns in namespaces:
         out = _run(["ip", "netns", "pids", ns], check=False).stdout
         ns_pids += [int(p) for p in out.split()]
+    ns_pids += _entering_pids(namespaces)
     leaders = list(extra_pids)
     for pid in leaders:
         _signal_group(pid, signal.SIGTERM)
@@ -242,7 +266,14 @@ class NetnsLab:
         return i
 
     def up(self) -> None:
-        """Create the namespaces, bridge, veths, addresses and qdiscs; on failure, undo everything."""
+        """Create the namespaces, bridge, veths, addresses and qdiscs; on failure, undo everything.
+
+        Raises:
+            RuntimeError: the prefix is already in use (nothing is touched), or an ``ip``/``tc`` command
+                failed (everything created so far is removed).
+        """
+        if _prefix_namespaces(self.prefix):
+            raise RuntimeError(f"lab prefix {self.prefix!r} is in use; call down() or pick another prefix")
         try:
             self._build()
         except BaseException:
@@ -250,8 +281,6 @@ class NetnsLab:
             raise
 
     def _build(self) -> None:
-        if _prefix_namespaces(self.prefix):
-            raise RuntimeError(f"lab prefix {self.prefix!r} is in use; call down() or pick another prefix")
         br_ns = self.bridge_namespace
         _run(["ip", "netns", "add", br_ns])
         _run(["ip", "-n", br_ns, "link", "set", "lo", "up"])

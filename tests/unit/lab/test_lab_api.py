@@ -42,7 +42,9 @@ def test_addresses_are_unique_and_in_benchmark_range() -> None:
     assert lab_address(250) == "198.18.1.1"
     for a in addresses:
         first, second, third, fourth = (int(x) for x in a.split("."))
-        assert (first, second) == (198, 18) and 0 <= third < 256 and 1 <= fourth <= 250
+        assert (first, second) == (198, 18)
+        assert 0 <= third < 256
+        assert 1 <= fourth <= 250
     with pytest.raises(ValueError):
         lab_address(-1)
 

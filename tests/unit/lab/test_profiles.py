@@ -98,7 +98,9 @@ def test_good_profile(tmp_path: Path) -> None:
         (('shaping = "htb"', 'shaping = "tbf"'), "shaping='tbf' cannot shape per destination"),
     ],
 )
-def test_bad_field_rejected_naming_file_and_field(tmp_path: Path, change: tuple[str, str], field: str) -> None:
+def test_bad_field_rejected_naming_file_and_field(
+    tmp_path: Path, change: tuple[str, str], field: str
+) -> None:
     path = _write(tmp_path, GOOD.replace(*change, 1))
     with pytest.raises(ValueError) as info:
         load_profile(path)

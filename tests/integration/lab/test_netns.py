@@ -1,0 +1,87 @@
+"""The namespaced lab: shaped rates hold, cleanup is complete even after a crash."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ravnest_p2p.lab.netns import NetnsLab
+from ravnest_p2p.lab.profiles import load_profile, parse_profile
+from tests.integration.lab._support import assert_no_leftovers, measure_mbps, requires_netns, unique_prefix
+
+pytestmark = requires_netns
+
+PEERS_DIR = Path(__file__).resolve().parents[3] / "peers"
+TOLERANCE = 0.15
+
+
+def test_lab4_rates_follow_slower_end_and_down_cleans_up() -> None:
+    profile = load_profile(PEERS_DIR / "lab4.toml")  # 20 / 50 / 100 / 200 Mbit/s
+    prefix = unique_prefix()
+    netlab = NetnsLab(profile, prefix=prefix)
+    try:
+        netlab.up()
+        # 200 -> 50: bound by the receiver's download; 20 -> 200: bound by the sender's upload.
+        for src, dst in [(3, 1), (0, 3)]:
+            expected = min(profile.peers[src].upload_mbps or 0, profile.peers[dst].download_mbps or 0)
+            measured = measure_mbps(netlab, src, dst, expected_mbps=expected)
+            assert measured == pytest.approx(expected, rel=TOLERANCE), (src, dst, measured)
+        pids = netlab.pids
+        assert pids
+    finally:
+        netlab.down()
+    assert_no_leftovers(prefix, pids)
+    netlab.down()  # idempotent
+
+
+def test_per_destination_matrix_and_tbf() -> None:
+    profile = parse_profile(
+        {
+            "run_id": "matrix",
+            "peers": [
+                {"name": "a", "upload_mbps": 100, "upload_to_mbps": {"c": 25}},
+                {"name": "b"},
+                {"name": "c"},
+            ],
+        }
+    )
+    with NetnsLab(profile, prefix=unique_prefix()) as netlab:
+        assert measure_mbps(netlab, 0, 2, expected_mbps=25, seconds=1.5) == pytest.approx(25, rel=TOLERANCE)
+        assert measure_mbps(netlab, 0, 1, expected_mbps=100, seconds=1.5) == pytest.approx(100, rel=TOLERANCE)
+    tbf = parse_profile(
+        {"run_id": "tbf", "shaping": "tbf", "peers": [{"name": "a", "upload_mbps": 40}, {"name": "b"}]}
+    )
+    with NetnsLab(tbf, prefix=unique_prefix()) as netlab:
+        assert measure_mbps(netlab, 0, 1, expected_mbps=40, seconds=1.5) == pytest.approx(40, rel=TOLERANCE)
+
+
+def test_down_after_simulated_crash_cleans_up() -> None:
+    profile = load_profile(PEERS_DIR / "lab4.toml")
+    prefix = unique_prefix()
+    crashed = NetnsLab(profile, prefix=prefix)
+    crashed.up()
+    # A process the crashed owner never reaps, in a session of its own, as a launched peer would be.
+    orphan = crashed.run_in_ns(2, ["sleep", "60"], stdout=subprocess.DEVNULL)
+    with pytest.raises(RuntimeError, match="in use"):
+        NetnsLab(profile, prefix=prefix).up()
+    NetnsLab(profile, prefix=prefix).down()  # fresh object: knows nothing but the prefix
+    assert orphan.wait(timeout=10) != 0
+    assert_no_leftovers(prefix, [orphan.pid])
+
+
+def test_run_in_ns_env_and_log(tmp_path: Path) -> None:
+    profile = parse_profile({"run_id": "env", "peers": [{"name": "a"}, {"name": "b"}]})
+    log = tmp_path / "logs" / "a.log"
+    with NetnsLab(profile, prefix=unique_prefix()) as netlab:
+        proc = netlab.run_in_ns(
+            "b",
+            ["sh", "-c", 'echo "$RVT_VALUE"; ip -o -4 addr show scope global'],
+            env={"RVT_VALUE": "42"},
+            log_path=log,
+        )
+        assert proc.wait(timeout=10) == 0
+    text = log.read_text()
+    assert text.startswith("42\n")
+    assert f"{netlab.address_of(1)}/15" in text
