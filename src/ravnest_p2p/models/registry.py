@@ -129,7 +129,10 @@ def parse_config(key: str, config_dict: Mapping[str, Any] | None = None) -> Base
     try:
         return spec.config_cls.model_validate(dict(config_dict or {}))
     except pydantic.ValidationError as exc:
-        raise ValueError(f"invalid config for model {key!r}: {exc}") from None
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or '<config>'}: {e['msg']}" for e in exc.errors(include_url=False)
+        )
+        raise ValueError(f"invalid config for model {key!r}: {problems}") from None
 
 
 def build_model(
