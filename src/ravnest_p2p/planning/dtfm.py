@@ -203,7 +203,9 @@ def random_placement(workload: Workload, rng: np.random.Generator) -> Placement:
     """A uniformly random partition of ``D_PP * D_DP`` devices into groups (the paper's baseline)."""
     devices = rng.permutation(workload.num_stages * workload.num_replicas)
     k = workload.num_replicas
-    return tuple(tuple(sorted(int(d) for d in devices[i * k : (i + 1) * k])) for i in range(workload.num_stages))
+    return tuple(
+        tuple(sorted(int(d) for d in devices[i * k : (i + 1) * k])) for i in range(workload.num_stages)
+    )
 
 
 class CostModel:

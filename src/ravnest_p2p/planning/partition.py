@@ -27,6 +27,7 @@ not overlapped (a conservative estimate); per-peer memory is the only constraint
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -79,7 +80,7 @@ def evaluate_partition(
         ``(times_s, memory_bytes)``, one entry per stage; the caller checks memory against the peers.
     """
     bounds = [0, *cuts, len(layers)]
-    if len(bounds) != len(peers) + 1 or any(a >= b for a, b in zip(bounds, bounds[1:], strict=False)):
+    if len(bounds) != len(peers) + 1 or any(a >= b for a, b in itertools.pairwise(bounds)):
         raise ValueError(f"cuts {list(cuts)} do not split {len(layers)} layers into {len(peers)} stages")
     batch = job.micro_batch_size
     times: list[float] = []
