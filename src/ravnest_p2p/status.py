@@ -1,0 +1,71 @@
+"""`python -m ravnest_p2p.status`: join the DHT as a client and print the run's live peers."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+
+from ravnest_p2p.cli_common import OneLineArgumentParser, fail, run_loop
+from ravnest_p2p.discovery import PeerDirectory, PeerRecord, RunDHT
+from ravnest_p2p.errors import RavnestError
+from ravnest_p2p.transport import HostConfig, P2PTransport, load_or_create_identity
+
+__all__ = ["fetch_peers", "format_table", "main"]
+
+PROG = "python -m ravnest_p2p.status"
+
+
+async def fetch_peers(initial_peers: Sequence[str], run_id: str, *, timeout_s: float = 20.0) -> list[PeerRecord]:
+    """Join as a DHT client through `initial_peers` and return the run's valid records, sorted by peer id."""
+    transport = await P2PTransport.create(
+        HostConfig(initial_peers=tuple(initial_peers), client_mode=True, startup_timeout_s=timeout_s),
+        load_or_create_identity(None),
+    )
+    try:
+        dht = await RunDHT.create(transport, run_id=run_id, initial_peers=initial_peers, client_mode=True)
+        try:
+            peers = await PeerDirectory(dht).refresh()
+        finally:
+            await dht.aclose()
+    finally:
+        await transport.aclose()
+    return sorted(peers.values(), key=lambda r: r.peer_id)
+
+
+def format_table(records: Sequence[PeerRecord]) -> str:
+    header = f"{'peer':<14} {'state':<9} {'GFLOP/s':>9} {'mem GB':>7} {'up Mb/s':>9} {'down Mb/s':>9} {'rtt ms':>7}"
+    lines = [header]
+    for r in records:
+        rtt = f"{r.rtt_ms:.1f}" if r.rtt_ms is not None else "-"
+        lines.append(
+            f"…{r.peer_id[-12:]:<13} {r.state:<9} {r.flops / 1e9:>9.1f} {r.free_memory_bytes / 2**30:>7.1f} "
+            f"{r.upload_mbps:>9.1f} {r.download_mbps:>9.1f} {rtt:>7}"
+        )
+    lines.append(f"{len(records)} peers")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = OneLineArgumentParser(prog=PROG, description="List the live peers of a ravnest_p2p run.")
+    parser.add_argument("--initial-peers", action="extend", nargs="+", required=True, metavar="MADDR")
+    parser.add_argument("--run-id", default="default")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+
+    async def run() -> int:
+        try:
+            records = await fetch_peers(args.initial_peers, args.run_id)
+        except RavnestError as exc:
+            fail(str(exc), prog=PROG)
+        if args.json:
+            print(json.dumps({"run_id": args.run_id, "peers": [r.model_dump(mode="json") for r in records]}))
+        else:
+            print(format_table(records))
+        return 0
+
+    return run_loop(run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""The peer CLI's flag set is pinned here so it does not sprawl; config files and bad flags behave."""
+
+import subprocess
+import sys
+
+import pytest
+
+from ravnest_p2p.peer import build_parser, config_from_args
+
+PINNED_FLAGS = {
+    "--initial-peers",
+    "--identity-path",
+    "--host-maddrs",
+    "--announce-maddrs",
+    "--run-id",
+    "--device",
+    "--max-memory-gb",
+    "--use-relay",
+    "--no-use-relay",
+    "--use-auto-relay",
+    "--client-mode",
+    "--config",
+    "--log-level",
+    "--help",
+    "-h",
+}
+
+
+def test_flag_set_is_pinned():
+    flags = {opt for action in build_parser()._actions for opt in action.option_strings}
+    assert flags == PINNED_FLAGS
+
+
+def test_flags_fill_the_config():
+    config, level = config_from_args(
+        [
+            "--initial-peers",
+            "/ip4/127.0.0.1/tcp/1/p2p/QmA",
+            "--initial-peers",
+            "/ip4/127.0.0.1/tcp/2/p2p/QmB",
+            "--run-id",
+            "exp1",
+            "--max-memory-gb",
+            "3.5",
+            "--no-use-relay",
+            "--client-mode",
+            "--log-level",
+            "DEBUG",
+        ]
+    )
+    assert config.initial_peers == ("/ip4/127.0.0.1/tcp/1/p2p/QmA", "/ip4/127.0.0.1/tcp/2/p2p/QmB")
+    assert config.run_id == "exp1"
+    assert config.max_memory_gb == 3.5
+    assert config.use_relay is False
+    assert config.client_mode is True
+    assert level == "DEBUG"
+
+
+def test_defaults():
+    config, level = config_from_args([])
+    assert config.initial_peers == ()
+    assert config.use_relay is True
+    assert config.host_maddrs == ("/ip4/127.0.0.1/tcp/0",)
+    assert level == "INFO"
+
+
+def test_config_file_is_read_and_flags_override_it(tmp_path):
+    path = tmp_path / "peer.toml"
+    path.write_text('run_id = "from-file"\ndevice = "cpu"\nrecord_ttl_s = 20\n[probe]\nperiod_s = 5\n')
+    config, _ = config_from_args(["--config", str(path)])
+    assert (config.run_id, config.record_ttl_s, config.probe.period_s) == ("from-file", 20, 5)
+    config, _ = config_from_args(["--config", str(path), "--run-id", "flag"])
+    assert config.run_id == "flag"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--bogus"], "unrecognized arguments"),
+        (["--max-memory-gb", "-2"], "greater than 0"),
+        (["--max-memory-gb", "lots"], "invalid float"),
+        (["--run-id", "bad id!"], "run_id"),
+        (["--device", "tpu"], "device"),
+        (["--config", "/nonexistent/x.toml"], "cannot read config file"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(argv, needle):
+    proc = subprocess.run(
+        [sys.executable, "-m", "ravnest_p2p.peer", *argv], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert needle in lines[0]
+
+
+def test_unknown_config_file_field_is_rejected(tmp_path):
+    path = tmp_path / "peer.toml"
+    path.write_text("runid = 'typo'\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ravnest_p2p.peer", "--config", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    assert "runid" in proc.stderr
+
+
+def test_public_api_is_pinned():
+    import ravnest_p2p
+
+    assert set(ravnest_p2p.__all__) >= {"RavnestError", "__version__"}
