@@ -1,14 +1,30 @@
-"""Pipeline runtime: the per-stage executor (weight stashing), its optimizer, and pipeline schedules."""
+"""Pipeline runtime: the per-stage executor (weight stashing), its optimizer, and pipeline schedules.
 
+Pure compute: no asyncio, no networking. The node wires executors to the transport.
+"""
+
+from ravnest_p2p.runtime.config import LossResult, PipelineFull, StageConfig
 from ravnest_p2p.runtime.optim import OptimizerConfig, build_optimizer, lr_factor
-from ravnest_p2p.runtime.stage import LossResult, PipelineFull, StageConfig, StageExecutor
+from ravnest_p2p.runtime.schedule import (
+    Op,
+    SimulationResult,
+    gpipe_schedule,
+    one_f_one_b_schedule,
+    simulate_schedule,
+)
+from ravnest_p2p.runtime.stage import StageExecutor
 
 __all__ = [
     "LossResult",
+    "Op",
     "OptimizerConfig",
     "PipelineFull",
+    "SimulationResult",
     "StageConfig",
     "StageExecutor",
     "build_optimizer",
+    "gpipe_schedule",
     "lr_factor",
+    "one_f_one_b_schedule",
+    "simulate_schedule",
 ]

@@ -38,56 +38,18 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 from torch.func import functional_call
 
 from ravnest_p2p.errors import InvalidMessage
-from ravnest_p2p.models.spec import LossName, TensorSpec, make_loss
-from ravnest_p2p.runtime.optim import OptimizerConfig, build_optimizer
+from ravnest_p2p.models.spec import TensorSpec, make_loss
+from ravnest_p2p.runtime.config import LossResult, PipelineFull, StageConfig
+from ravnest_p2p.runtime.optim import build_optimizer
 from ravnest_p2p.runtime.validation import check_matches, check_micro_batch_id, check_tensor
 
 __all__ = ["LossResult", "PipelineFull", "StageConfig", "StageExecutor"]
 
 logger = logging.getLogger(__name__)
-
-
-class PipelineFull(InvalidMessage):
-    """A forward arrived while ``max_in_flight`` micro-batches were already waiting for backward."""
-
-    code = "pipeline_full"
-
-
-class StageConfig(BaseModel):
-    """How one stage runs.
-
-    Attributes:
-        first_layer_index: global index of the stage's first layer (0 = first stage); prefixes names.
-        is_last: the stage computes the loss (`StageExecutor.forward_loss`).
-        max_in_flight: micro-batches forwarded but not yet backwarded that the stage admits.
-        update_every: optimizer step after this many backwards (gradients averaged).
-        recompute: keep only inputs and recompute the forward in backward.
-        loss: loss of the last stage.
-        optimizer: optimizer and LR schedule.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    first_layer_index: int = Field(default=0, ge=0)
-    is_last: bool = False
-    max_in_flight: int = Field(default=1, ge=1)
-    update_every: int = Field(default=1, ge=1)
-    recompute: bool = False
-    loss: LossName = "cross_entropy"
-    optimizer: OptimizerConfig = OptimizerConfig()
-
-
-@dataclasses.dataclass(frozen=True)
-class LossResult:
-    """What the last stage returns for a micro-batch: its loss and the gradient for the stage before."""
-
-    loss: float
-    grad_input: Tensor | None
 
 
 @dataclasses.dataclass

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ravnest_p2p.models import get_model_spec, parse_config, sample_input, trace_output_specs
-from ravnest_p2p.runtime import OptimizerConfig, StageConfig, StageExecutor
+from ravnest_p2p.runtime import OptimizerConfig, StageConfig, StageExecutor, one_f_one_b_schedule
 
 
 def make_stages(
@@ -67,3 +67,47 @@ def all_params(stages: Sequence[StageExecutor]) -> dict[str, torch.Tensor]:
         named.update(stage.parameters_by_name())
         named.update(stage.buffers_by_name())
     return named
+
+
+def drive_1f1b(
+    stages: Sequence[StageExecutor], xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor | None], list[dict[str, torch.Tensor]], list[float]]:
+    """Run micro-batches through the stages in a valid 1F1B interleaving, as a network would.
+
+    Each stage follows its own 1F1B op list; stages take turns round-robin and an op runs as soon
+    as its input has arrived. Returns per-backward input gradients and parameter gradients (in
+    execution order) and the losses by micro-batch.
+    """
+    num_stages = len(stages)
+    schedules = one_f_one_b_schedule(num_stages, len(xs))
+    activations: dict[tuple[int, int], torch.Tensor] = {}
+    grads: dict[tuple[int, int], torch.Tensor | None] = {}
+    input_grads: list[torch.Tensor | None] = []
+    param_grads: list[dict[str, torch.Tensor]] = []
+    losses = [float("nan")] * len(xs)
+    cursor = [0] * num_stages
+    last = num_stages - 1
+    while any(cursor[s] < len(schedules[s]) for s in range(num_stages)):
+        progressed = False
+        for s in range(num_stages):
+            if cursor[s] == len(schedules[s]):
+                continue
+            kind, mb = schedules[s][cursor[s]]
+            source = xs[mb] if s == 0 else activations.get((s - 1, mb))
+            if kind == "F" and source is not None and s == last:
+                result = stages[s].forward_loss(mb, source, ys[mb])
+                grads[(s, mb)], losses[mb] = result.grad_input, result.loss
+            elif kind == "F" and source is not None:
+                activations[(s, mb)] = stages[s].forward(mb, source)
+            elif kind == "B" and s == last:
+                pass  # the last stage did its backward inside forward_loss
+            elif kind == "B" and (s + 1, mb) in grads:
+                grads[(s, mb)] = stages[s].backward(mb, grads[(s + 1, mb)])  # type: ignore[arg-type]
+                input_grads.append(grads[(s, mb)])
+                param_grads.append(stages[s].last_param_grads)
+            else:
+                continue
+            cursor[s] += 1
+            progressed = True
+        assert progressed, "1F1B driver deadlocked"
+    return input_grads, param_grads, losses
