@@ -32,6 +32,7 @@ BatchNorm statistics are not versioned. The stash costs one parameter copy per l
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
@@ -287,8 +288,9 @@ class StageExecutor:
             "weight_version": self._weight_version,
             "num_steps": self._num_steps,
             "tensors": tensors,
-            "optimizer": self._optimizer.state_dict() if self._optimizer else None,
-            "scheduler": self._scheduler.state_dict() if self._scheduler else None,
+            # deep copies: optimizer state tensors are updated in place by later steps
+            "optimizer": copy.deepcopy(self._optimizer.state_dict()) if self._optimizer else None,
+            "scheduler": copy.deepcopy(self._scheduler.state_dict()) if self._scheduler else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -349,6 +351,9 @@ class StageExecutor:
     def _backprop(self, output: Tensor, grad: Tensor | None, x_in: Tensor, stash: _Stash) -> Tensor | None:
         names = list(stash.params)
         wrt = [stash.params[n] for n in names] + ([x_in] if x_in.requires_grad else [])
+        if not wrt:  # nothing trainable and no input gradient wanted (e.g. a lone pooling layer)
+            self._last_param_grads = {}
+            return None
         grads = torch.autograd.grad(output, wrt, grad_outputs=grad, allow_unused=True)
         param_grads = {
             n: g if g is not None else torch.zeros_like(stash.params[n])
