@@ -72,6 +72,10 @@ class PayloadTooLarge(InvalidMessage):
 
     code = "payload_too_large"
 
+    def __init__(self, message: str, *, size_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.size_bytes = size_bytes
+
 
 class StaleEpoch(InvalidMessage):
     """A message carries a plan epoch the receiver is no longer (or not yet) in."""

@@ -89,7 +89,9 @@ def _kmeans(features: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarra
             new_labels = np.argmin(dist, axis=1)
             for c in range(k):
                 if not np.any(new_labels == c):  # re-seed an empty cluster at the worst-served point
-                    far = int(np.argmax(dist[np.arange(len(features)), new_labels]))
+                    counts = np.bincount(new_labels, minlength=k)
+                    served = dist[np.arange(len(features)), new_labels]
+                    far = int(np.argmax(np.where(counts[new_labels] > 1, served, -1.0)))
                     new_labels[far] = c
             center_arr = np.array([features[new_labels == c].mean(axis=0) for c in range(k)])
             if np.array_equal(new_labels, labels):

@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 _STREAM_SUFFIX = "/stream"
 _RECONNECT_AFTER_S = 30.0
+_MAX_DISCARD_BYTES = 256 * 2**20
+_DISCARD_TIMEOUT_S = 10.0
 
 
 class HostConfig(BaseModel):
@@ -60,6 +62,24 @@ def _validate_maddrs(maddrs: Sequence[str], what: str) -> list[Multiaddr]:
         except Exception:
             raise ConfigError(f"{what}: {maddr!r} is not a valid multiaddr") from None
     return out
+
+
+async def _discard(reader: asyncio.StreamReader, size_bytes: int) -> None:
+    """Swallow a refused body (up to a bound, briefly) so an honest sender can read our error reply.
+
+    Closing at once would reset the connection under a sender still writing, and it would see a reset
+    instead of the reason. A hostile sender announcing terabytes just gets the connection closed.
+    """
+    if size_bytes > _MAX_DISCARD_BYTES:
+        return
+    with contextlib.suppress(TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+        async with asyncio.timeout(_DISCARD_TIMEOUT_S):
+            remaining = size_bytes
+            while remaining > 0:
+                chunk = await reader.read(min(remaining, 1 << 20))
+                if not chunk:
+                    return
+                remaining -= len(chunk)
 
 
 class P2PTransport:
@@ -172,6 +192,7 @@ class P2PTransport:
                     data = await read_frame(reader, max_bytes=max_request_bytes)
                 except PayloadTooLarge as exc:
                     await write_frame(writer, error_envelope("payload_too_large", str(exc)))
+                    await _discard(reader, exc.size_bytes)
                     return
                 await write_frame(writer, await handler(data, remote))
             except (asyncio.IncompleteReadError, ConnectionError) as exc:

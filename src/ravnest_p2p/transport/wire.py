@@ -103,5 +103,5 @@ async def read_frame(reader: asyncio.StreamReader, *, max_bytes: int) -> bytes:
     """Read one frame; refuse (without reading the body) if it announces more than `max_bytes`."""
     (length,) = _FRAME_LEN.unpack(await reader.readexactly(_FRAME_LEN.size))
     if length > max_bytes:
-        raise PayloadTooLarge(f"frame of {length} bytes exceeds the limit of {max_bytes}")
+        raise PayloadTooLarge(f"frame of {length} bytes exceeds the limit of {max_bytes}", size_bytes=length)
     return await reader.readexactly(length)

@@ -1,0 +1,85 @@
+"""Discovery over real daemons: everyone finds everyone, forgeries are refused, the dead disappear."""
+
+from __future__ import annotations
+
+import pytest
+from hivemind.dht import DHTNode
+from hivemind.dht.crypto import RSASignatureValidator
+
+from ravnest_p2p.discovery import PEERS_KEY, PeerDirectory, dht_time
+from ravnest_p2p.transport import HostConfig, P2PTransport, load_or_create_identity
+from ravnest_p2p.types import PeerState
+from ravnest_p2p.utils import wait_until
+
+pytestmark = pytest.mark.timeout(240)
+
+
+async def test_eight_peers_each_see_seven_valid_records(make_swarm):
+    peers = await make_swarm(8, run_id="eight")
+    ids = {p.peer_id for p in peers}
+    assert len(ids) == 8
+
+    def everyone_sees_everyone() -> bool:
+        return all(set(p.directory.active(exclude=p.peer_id)) == ids - {p.peer_id} for p in peers)
+
+    await wait_until(everyone_sees_everyone, timeout_s=90, message="8 peers to see 7 records each")
+    for peer in peers:
+        records = peer.directory.active(exclude=peer.peer_id)
+        assert len(records) == 7
+        for pid, record in records.items():
+            assert record.peer_id == pid
+            assert record.flops > 0
+            assert record.maddrs and all(pid in m for m in record.maddrs)
+
+
+async def test_record_under_another_peers_subkey_is_rejected(make_swarm):
+    victim, other = await make_swarm(2, run_id="forge")
+    await wait_until(lambda: len(victim.directory.active()) == 2, timeout_s=60, message="2 peers")
+
+    # an attacker with its own key joins the DHT and tries to overwrite the victim's subkey
+    attacker_id = load_or_create_identity(None)
+    transport = await P2PTransport.create(HostConfig(initial_peers=tuple(victim.maddrs)), attacker_id)
+    try:
+        node = await DHTNode.create(
+            p2p=transport.p2p,
+            initial_peers=victim.maddrs,
+            record_validator=RSASignatureValidator(attacker_id.private_key),
+        )
+        try:
+            forged = victim._make_record().model_dump(mode="json") | {"flops": 1.0, "state": "draining"}
+            key = victim.dht.key(PEERS_KEY)
+            ok = await node.store(key, forged, dht_time() + 30, subkey=victim.dht.own_subkey)
+            assert not ok, "the DHT accepted a record written under someone else's subkey"
+            # a record under the attacker's own subkey that claims to be the victim is dropped by readers
+            ok = await node.store(key, forged, dht_time() + 30, subkey=RSASignatureValidator(
+                attacker_id.private_key).local_public_key)
+            assert ok
+            directory = PeerDirectory(other.dht)
+            seen = await directory.refresh()
+            assert seen[victim.peer_id].flops == victim.flops
+            assert seen[victim.peer_id].state != PeerState.DRAINING
+            assert attacker_id.peer_id not in seen
+            assert directory.num_dropped >= 1
+        finally:
+            await node.shutdown()
+    finally:
+        await transport.aclose()
+
+
+async def test_stopped_peer_disappears_after_its_ttl(make_swarm):
+    peers = await make_swarm(3, run_id="ttl", record_ttl_s=4.0)
+    watcher, leaver = peers[0], peers[2]
+    await wait_until(lambda: leaver.peer_id in watcher.directory.peers, timeout_s=60, message="leaver visible")
+    await leaver.aclose(drain=False)  # as if it crashed: no draining record
+    await wait_until(
+        lambda: leaver.peer_id not in watcher.directory.peers, timeout_s=30, message="leaver to expire"
+    )
+    assert peers[1].peer_id in watcher.directory.peers
+
+
+async def test_draining_peer_is_marked_then_gone(make_swarm):
+    peers = await make_swarm(2, run_id="drain")
+    watcher, leaver = peers
+    await wait_until(lambda: leaver.peer_id in watcher.directory.active(), timeout_s=60, message="visible")
+    await leaver.aclose()
+    await wait_until(lambda: leaver.peer_id not in watcher.directory.active(), timeout_s=30, message="inactive")
