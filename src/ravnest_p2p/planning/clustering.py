@@ -23,7 +23,9 @@ Method. For ``k`` from the memory bound down to 1: seeded k-means (k-means++ ini
 inertia), then memory repair (an infeasible cluster takes the nearest peer a feasible cluster can spare),
 then balancing (move a peer from the fastest to the slowest cluster while ``J`` drops). The first ``k``
 that repairs is kept. Peers whose compute or link is below ``spare_ratio`` times their cluster's median
-are set aside as spares when the cluster still fits without them (a laggard would set the pace).
+are set aside as spares when the cluster still fits without them (a laggard would set the pace), and
+so are all members of a cluster whose throughput is below ``spare_ratio`` times the median cluster's
+(averaging would wait on it).
 
 Determinism. Peers are sorted by id before anything else and the only randomness is a numpy generator
 seeded by the epoch, so every peer with the same view computes the same clusters, whatever the order
@@ -244,6 +246,11 @@ def cluster_peers(
             )
             clusters.append(tuple(kept))
             spares += set_aside
+        # A whole cluster far slower than the median one would hold back averaging: its peers wait.
+        throughput = [sum(p.flops_per_s for p in members) for members in clusters]
+        cutoff = job.spare_ratio * float(np.median(throughput))
+        spares += [p for members, t in zip(clusters, throughput, strict=True) if t < cutoff for p in members]
+        clusters = [members for members, t in zip(clusters, throughput, strict=True) if t >= cutoff]
         clusters.sort(key=lambda members: members[0].peer_id)
         return tuple(clusters), tuple(sorted(spares, key=lambda p: p.peer_id))
     return (), tuple(ordered)

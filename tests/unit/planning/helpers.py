@@ -1,0 +1,34 @@
+"""Random populations and models shared by the planning tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ravnest_p2p.planning import PeerCapacity
+from ravnest_p2p.types import LayerProfile
+
+
+def random_layers(rng: np.random.Generator, count: int) -> list[LayerProfile]:
+    return [
+        LayerProfile(
+            name=f"layer{i}",
+            flops_per_sample=float(rng.uniform(1e6, 1e8)),
+            param_bytes=int(rng.integers(1_000, 100_000)),
+            optimizer_state_bytes=int(rng.integers(0, 200_000)),
+            activation_bytes_per_sample=int(rng.integers(100, 10_000)),
+        )
+        for i in range(count)
+    ]
+
+
+def random_peers(rng: np.random.Generator, count: int, memory_bytes: tuple[int, int]) -> list[PeerCapacity]:
+    return [
+        PeerCapacity(
+            peer_id=f"peer-{i:03d}-{int(rng.integers(1 << 30)):x}",
+            flops_per_s=float(10 ** rng.uniform(9, 12)),
+            memory_bytes=int(rng.integers(*memory_bytes)),
+            upload_bytes_per_s=float(10 ** rng.uniform(5, 8)),
+            download_bytes_per_s=float(10 ** rng.uniform(5, 8)),
+        )
+        for i in range(count)
+    ]
