@@ -67,7 +67,9 @@ def _markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def record(name: str, rows: Sequence[dict[str, Any]], *, notes: str = "", results_dir: Path | None = None) -> Path:
+def record(
+    name: str, rows: Sequence[dict[str, Any]], *, notes: str = "", results_dir: Path | None = None
+) -> Path:
     """Write `<name>.json` and `<name>.md` under benchmarks/results/ and return the JSON path."""
     out_dir = results_dir or RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,9 @@ __all__ = ["fetch_peers", "format_table", "main"]
 PROG = "python -m ravnest_p2p.status"
 
 
-async def fetch_peers(initial_peers: Sequence[str], run_id: str, *, timeout_s: float = 20.0) -> list[PeerRecord]:
+async def fetch_peers(
+    initial_peers: Sequence[str], run_id: str, *, timeout_s: float = 20.0
+) -> list[PeerRecord]:
     """Join as a DHT client through `initial_peers` and return the run's valid records, sorted by peer id."""
     transport = await P2PTransport.create(
         HostConfig(initial_peers=tuple(initial_peers), client_mode=True, startup_timeout_s=timeout_s),

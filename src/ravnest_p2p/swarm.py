@@ -30,7 +30,9 @@ _JOIN_RE = re.compile(r"--initial[-_]peers (/\S+/p2p/\S+)")
 _PEER_ID_RE = re.compile(r"ravnest_p2p peer (\S+) ")
 
 
-def poll_until(predicate: Callable[[], bool], timeout_s: float, *, what: str, interval_s: float = 0.1) -> None:
+def poll_until(
+    predicate: Callable[[], bool], timeout_s: float, *, what: str, interval_s: float = 0.1
+) -> None:
     """Poll `predicate` until true; TimeoutError naming `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -107,7 +109,9 @@ class LocalSwarm:
         self.run_id = run_id
         self.bootstrap_kind = bootstrap
         self.peer_args = list(peer_args)
-        self.per_peer_args = [list(a) for a in per_peer_args] if per_peer_args else [[] for _ in range(num_peers)]
+        self.per_peer_args = (
+            [list(a) for a in per_peer_args] if per_peer_args else [[] for _ in range(num_peers)]
+        )
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="ravnest-swarm-"))
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -125,8 +129,13 @@ class LocalSwarm:
         log = log_path.open("wb")
         try:
             popen = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.env, cwd=self.workdir, start_new_session=True,
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                cwd=self.workdir,
+                start_new_session=True,
             )
         finally:
             log.close()

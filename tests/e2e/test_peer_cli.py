@@ -1,4 +1,4 @@
-"""End to end: a stock hivemind-dht bootstrap, three `python -m ravnest_p2p.peer` processes, the status tool."""
+"""End to end: a stock hivemind-dht bootstrap, three peer CLI processes, the status tool."""
 
 from __future__ import annotations
 
@@ -16,7 +16,16 @@ pytestmark = pytest.mark.timeout(300)
 
 def status_json(initial_peers: list[str], run_id: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "ravnest_p2p.status", "--initial-peers", *initial_peers, "--run-id", run_id, "--json"],
+        [
+            sys.executable,
+            "-m",
+            "ravnest_p2p.status",
+            "--initial-peers",
+            *initial_peers,
+            "--run-id",
+            run_id,
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -41,7 +50,9 @@ def test_hivemind_dht_bootstrap_three_peers_status_and_clean_sigterm():
                 p["flops"] > 0 and p["upload_mbps"] > 0 and p["download_mbps"] > 0 for p in peers
             )
 
-        poll_until(three_measured_peers, timeout_s=120, what="3 measured peers in the status tool", interval_s=1)
+        poll_until(
+            three_measured_peers, timeout_s=120, what="3 measured peers in the status tool", interval_s=1
+        )
         assert {p["peer_id"] for p in measured["peers"]} == {p.peer_id for p in swarm.peers}
 
         daemons = {p.name: daemons_of(p.popen.pid) for p in swarm.peers}

@@ -29,7 +29,8 @@ async def test_eight_peers_each_see_seven_valid_records(make_swarm):
         for pid, record in records.items():
             assert record.peer_id == pid
             assert record.flops > 0
-            assert record.maddrs and all(pid in m for m in record.maddrs)
+            assert record.maddrs
+            assert all(pid in m for m in record.maddrs)
 
 
 async def test_record_under_another_peers_subkey_is_rejected(make_swarm):
@@ -51,8 +52,12 @@ async def test_record_under_another_peers_subkey_is_rejected(make_swarm):
             ok = await node.store(key, forged, dht_time() + 30, subkey=victim.dht.own_subkey)
             assert not ok, "the DHT accepted a record written under someone else's subkey"
             # a record under the attacker's own subkey that claims to be the victim is dropped by readers
-            ok = await node.store(key, forged, dht_time() + 30, subkey=RSASignatureValidator(
-                attacker_id.private_key).local_public_key)
+            ok = await node.store(
+                key,
+                forged,
+                dht_time() + 30,
+                subkey=RSASignatureValidator(attacker_id.private_key).local_public_key,
+            )
             assert ok
             directory = PeerDirectory(other.dht)
             seen = await directory.refresh()
@@ -69,7 +74,9 @@ async def test_record_under_another_peers_subkey_is_rejected(make_swarm):
 async def test_stopped_peer_disappears_after_its_ttl(make_swarm):
     peers = await make_swarm(3, run_id="ttl", record_ttl_s=4.0)
     watcher, leaver = peers[0], peers[2]
-    await wait_until(lambda: leaver.peer_id in watcher.directory.peers, timeout_s=60, message="leaver visible")
+    await wait_until(
+        lambda: leaver.peer_id in watcher.directory.peers, timeout_s=60, message="leaver visible"
+    )
     await leaver.aclose(drain=False)  # as if it crashed: no draining record
     await wait_until(
         lambda: leaver.peer_id not in watcher.directory.peers, timeout_s=30, message="leaver to expire"
@@ -82,4 +89,6 @@ async def test_draining_peer_is_marked_then_gone(make_swarm):
     watcher, leaver = peers
     await wait_until(lambda: leaver.peer_id in watcher.directory.active(), timeout_s=60, message="visible")
     await leaver.aclose()
-    await wait_until(lambda: leaver.peer_id not in watcher.directory.active(), timeout_s=30, message="inactive")
+    await wait_until(
+        lambda: leaver.peer_id not in watcher.directory.active(), timeout_s=30, message="inactive"
+    )

@@ -68,7 +68,11 @@ async def test_oversized_and_malformed_payloads_get_error_replies_and_server_kee
     assert err.value.code == "payload_too_large"
     # malformed bytes on both paths
     for stream in (False, True):
-        for junk in (b"junk", encode_envelope({"kind": "request", "body": {"n": "x"}}), b"RV1" + b"\xff" * 20):
+        for junk in (
+            b"junk",
+            encode_envelope({"kind": "request", "body": {"n": "x"}}),
+            b"RV1" + b"\xff" * 20,
+        ):
             reply = await a.call(b.peer_id, "ravnest/t/echo", junk, stream=stream, max_response_bytes=1 << 20)
             assert b"invalid_message" in reply
     assert seen == []

@@ -99,7 +99,10 @@ def test_unknown_config_file_field_is_rejected(tmp_path):
     path = tmp_path / "peer.toml"
     path.write_text("runid = 'typo'\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "ravnest_p2p.peer", "--config", str(path)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "ravnest_p2p.peer", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2
     assert "runid" in proc.stderr

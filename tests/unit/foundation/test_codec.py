@@ -5,9 +5,16 @@ from ravnest_p2p.errors import CodecError
 from ravnest_p2p.transport.codec import Compression, decode_tensor, encode_tensor
 from ravnest_p2p.transport.wire import decode_envelope, encode_envelope
 
-
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+]
 # max error relative to the tensor's std, per compression (for fp16/fp32/fp64 inputs)
 LOSSY_BOUND = {
     Compression.NONE: 0.0,
@@ -42,7 +49,9 @@ def test_round_trip_every_dtype_and_compression(dtype, compression):
     decoded = decode_tensor(encode_tensor(tensor, compression))
     assert decoded.dtype == tensor.dtype
     assert decoded.shape == tensor.shape
-    exact = not tensor.is_floating_point() or tensor.dtype == torch.bfloat16 or compression == Compression.NONE
+    exact = (
+        not tensor.is_floating_point() or tensor.dtype == torch.bfloat16 or compression == Compression.NONE
+    )
     if exact:
         assert torch.equal(decoded, tensor)
     else:

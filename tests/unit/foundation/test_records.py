@@ -2,7 +2,13 @@ import math
 
 import pytest
 
-from ravnest_p2p.discovery.records import MAX_FLOPS, SCHEMA_VERSION, PeerRecord, owner_public_key, parse_peer_record
+from ravnest_p2p.discovery.records import (
+    MAX_FLOPS,
+    SCHEMA_VERSION,
+    PeerRecord,
+    owner_public_key,
+    parse_peer_record,
+)
 from ravnest_p2p.errors import InvalidRecord
 
 PEER = "QmVRjtfVd4D7oN4Ca6PPG8GoxuGoYwp47sEk9yYknEHqAj"

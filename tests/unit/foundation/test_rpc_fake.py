@@ -20,7 +20,9 @@ class AddReply(BaseModel):
     total: int
 
 
-ADD = RpcMethod("add", AddRequest, AddReply, max_request_bytes=64 * 1024, max_tensors=2, handler_timeout_s=0.5)
+ADD = RpcMethod(
+    "add", AddRequest, AddReply, max_request_bytes=64 * 1024, max_tensors=2, handler_timeout_s=0.5
+)
 
 
 @pytest.fixture
@@ -52,7 +54,7 @@ async def test_call_returns_typed_reply_and_tensors(pair):
 
 
 async def test_invalid_request_gets_error_reply_and_handler_is_not_called(pair):
-    net, _, client, calls = pair
+    _, _, client, calls = pair
     with pytest.raises(RemoteError) as err:
         await client.call("srv", ADD, AddRequest.model_construct(a=5000, b=0), timeout_s=1)
     assert err.value.code == "invalid_message"
@@ -88,7 +90,9 @@ async def test_oversized_and_too_many_tensors_are_refused(pair):
 async def test_non_finite_tensors_are_refused(pair):
     _, _, client, calls = pair
     with pytest.raises(RemoteError) as err:
-        await client.call("srv", ADD, AddRequest(a=1), tensors=[torch.tensor([1.0, float("nan")])], timeout_s=1)
+        await client.call(
+            "srv", ADD, AddRequest(a=1), tensors=[torch.tensor([1.0, float("nan")])], timeout_s=1
+        )
     assert err.value.code == "codec_error"
     assert calls == []
 
@@ -102,8 +106,15 @@ async def test_malformed_bytes_get_error_reply():
 
     await server.serve(ADD, never)
     raw_client = net.create("raw")
-    for payload in [b"", b"junk", encode_envelope({"kind": "request", "body": "not a map"}), b"RV1\xff\xff\xff\xff"]:
-        reply = await raw_client.call("srv", "ravnest/run/add", payload, stream=False, max_response_bytes=1 << 20)
+    for payload in [
+        b"",
+        b"junk",
+        encode_envelope({"kind": "request", "body": "not a map"}),
+        b"RV1\xff\xff\xff\xff",
+    ]:
+        reply = await raw_client.call(
+            "srv", "ravnest/run/add", payload, stream=False, max_response_bytes=1 << 20
+        )
         assert b"invalid_message" in reply or b"payload_too_large" in reply
 
 
