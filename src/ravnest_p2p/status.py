@@ -36,8 +36,9 @@ async def fetch_peers(
 
 
 def format_table(records: Sequence[PeerRecord]) -> str:
-    header = f"{'peer':<14} {'state':<9} {'GFLOP/s':>9} {'mem GB':>7} {'up Mb/s':>9} {'down Mb/s':>9} {'rtt ms':>7}"
-    lines = [header]
+    columns = [("peer", "<14"), ("state", "<9"), ("GFLOP/s", ">9"), ("mem GB", ">7")]
+    columns += [("up Mb/s", ">9"), ("down Mb/s", ">9"), ("rtt ms", ">7")]
+    lines = [" ".join(f"{name:{spec}}" for name, spec in columns)]
     for r in records:
         rtt = f"{r.rtt_ms:.1f}" if r.rtt_ms is not None else "-"
         lines.append(
