@@ -128,12 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     send.add_argument("--bytes", type=int, required=True, dest="num_bytes")
     send.add_argument("--timeout-s", type=float, default=30.0)
     args = parser.parse_args(argv)
-    if args.mode == "serve":
-        with socket.create_server((args.host, args.port)) as listener:
-            print(json.dumps({"listening": listener.getsockname()[1]}), flush=True)
-            result = receive_once(listener, max_bytes=args.max_bytes, timeout_s=args.timeout_s)
-    else:
-        result = send_bytes(args.host, args.port, num_bytes=args.num_bytes, timeout_s=args.timeout_s)
+    try:
+        if args.mode == "serve":
+            with socket.create_server((args.host, args.port)) as listener:
+                print(json.dumps({"listening": listener.getsockname()[1]}), flush=True)
+                result = receive_once(listener, max_bytes=args.max_bytes, timeout_s=args.timeout_s)
+        else:
+            result = send_bytes(args.host, args.port, num_bytes=args.num_bytes, timeout_s=args.timeout_s)
+    except (TimeoutError, OSError) as e:
+        print(f"rawtransfer {args.mode}: {e or type(e).__name__}", file=sys.stderr)
+        return 1
     print(result.model_dump_json(), flush=True)
     return 0
 

@@ -12,6 +12,11 @@ do at full speed. Three mechanisms, best first; `detect_backend` picks the first
    (runs ``period/k``, stopped for the rest). Approximate (signal latency, stops mid-syscall, no memory
    cap) — the fallback when cgroups are not writable, e.g. unprivileged containers.
 
+The two kinds differ under load. A cgroup quota is absolute: ``base_cpus / k`` CPUs, which the group
+gets even when other processes load the host (as long as that much is spare), so a slow peer is as slow
+as specified and a loaded host only hurts the fast peers. The duty cycle is relative: 1/k of whatever
+CPU the process would get anyway.
+
 The CPU cap is ``base_cpus / k`` CPUs, where ``base_cpus`` is how many CPUs the peer uses at full speed —
 set it to the peer's compute thread count and start the peer with `thread_env` so the two agree (fewer
 threads alone would not slow down a single-threaded loop; a quota alone would let a many-threaded peer
@@ -256,12 +261,16 @@ def duty_cycle(pid: int, slowdown: float, period_s: float = 0.1) -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     run_s = period_s / slowdown
+    # Absolute schedule: late wake-ups shift one edge, they do not accumulate into drift.
+    start = time.monotonic()
+    cycle = 0
     try:
         while not stop and _signal(pid, signal.SIGCONT):
-            time.sleep(run_s)  # the duty cycle itself, not a wait for a condition
+            time.sleep(max(0.0, start + cycle * period_s + run_s - time.monotonic()))
             if stop or not _signal(pid, signal.SIGSTOP):
                 break
-            time.sleep(period_s - run_s)
+            cycle += 1
+            time.sleep(max(0.0, start + cycle * period_s - time.monotonic()))
     finally:
         _signal(pid, signal.SIGCONT)
 

@@ -85,3 +85,22 @@ def test_run_in_ns_env_and_log(tmp_path: Path) -> None:
     text = log.read_text()
     assert text.startswith("42\n")
     assert f"{netlab.address_of(1)}/15" in text
+
+
+@pytest.mark.parametrize("path", sorted(PEERS_DIR.glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_profile_builds(path: Path) -> None:
+    profile = load_profile(path)
+    prefix = unique_prefix()
+    with NetnsLab(profile, prefix=prefix) as netlab:
+        for i, peer in enumerate(profile.peers):
+            qdiscs = subprocess.run(
+                ["tc", "-n", netlab.namespace_of(i), "class", "show", "dev", netlab.interface_of(i)],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            expected_classes = 0 if peer.upload_mbps is None and not peer.upload_to_mbps else 1
+            if peer.upload_to_mbps:
+                expected_classes = 2 + len(peer.upload_to_mbps)
+            assert qdiscs.count("class htb") == expected_classes, (peer.name, qdiscs)
+    assert_no_leftovers(prefix, [])

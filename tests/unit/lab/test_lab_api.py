@@ -35,6 +35,13 @@ def test_public_api_is_pinned() -> None:
     ]
 
 
+def test_lab_names_resolve_lazily() -> None:
+    for name in lab.__all__:
+        assert getattr(lab, name) is not None
+    with pytest.raises(AttributeError):
+        _ = lab.nope  # type: ignore[attr-defined]
+
+
 def test_addresses_are_unique_and_in_benchmark_range() -> None:
     addresses = [lab_address(i) for i in range(1000)]
     assert len(set(addresses)) == 1000

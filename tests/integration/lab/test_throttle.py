@@ -1,0 +1,117 @@
+"""Compute throttling holds: a CPU-bound loop under slowdown k does 1/k of the unthrottled work (±20%).
+
+What "unthrottled work" means depends on the mechanism, because the two cap different things:
+
+- cgroup quotas are absolute (1/k of one CPU), so the reference is what the loop does in the same wall
+  time on one full CPU: its iterations per CPU-second in unthrottled runs, times the wall time. An
+  unthrottled run's wall-clock count would be biased whenever other processes share the two cores (it
+  then gets less than a CPU while the throttled one still gets its full quota).
+- the sigstop duty cycle is relative (1/k of whatever CPU the process would get), so the reference is
+  the wall-clock count of unthrottled runs made just before and after.
+"""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import sys
+
+import pytest
+
+from ravnest_p2p.lab.netns import NetnsLab
+from ravnest_p2p.lab.profiles import parse_profile
+from ravnest_p2p.lab.throttle import ComputeThrottle, ThrottleBackend, detect_backend
+from tests.integration.lab._support import requires_netns, unique_prefix
+
+LOOP_S = 1.5
+# Counts loop iterations for LOOP_S of wall-clock time, timed by the child itself so start-up is excluded;
+# prints the count and the CPU time the loop used.
+LOOP = (
+    f"import time\nn = 0\ncpu = time.process_time()\nend = time.monotonic() + {LOOP_S!r}\n"
+    "while time.monotonic() < end:\n    n += 1\nprint(n, time.process_time() - cpu)"
+)
+TOLERANCE = 0.20
+
+
+def _work(throttle: ComputeThrottle | None) -> tuple[int, float]:
+    argv = [sys.executable, "-c", LOOP]
+    if throttle is not None:
+        argv = throttle.wrap_argv(argv)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, start_new_session=True)
+    if throttle is not None and throttle.backend is ThrottleBackend.SIGSTOP:
+        throttle.attach(proc.pid)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    return _parse(out)
+
+
+def _parse(out: bytes) -> tuple[int, float]:
+    count, cpu_s = out.split()
+    return int(count), float(cpu_s)
+
+
+def _unthrottled_count(runs: list[tuple[int, float]], backend: ThrottleBackend) -> float:
+    """The count the throttled loop is compared with (see the module docstring), from unthrottled runs."""
+    if backend is ThrottleBackend.SIGSTOP:
+        return sum(n for n, _ in runs) / len(runs)
+    return sum(n for n, _ in runs) / sum(cpu for _, cpu in runs) * LOOP_S
+
+
+def _name() -> str:
+    return "rvt" + secrets.token_hex(3)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        None,
+        # The duty cycle is relative to the CPU the process would get anyway, so load from other
+        # processes on this shared 2-core host moves it past ±20% (seen: 2.4-2.6 for k = 2 under load
+        # 3). Opt-in; cgroups are the mechanism used here.
+        pytest.param(ThrottleBackend.SIGSTOP, marks=pytest.mark.slow),
+    ],
+    ids=["detected", "sigstop"],
+)
+def test_cpu_slowdown_ratio(backend: ThrottleBackend | None) -> None:
+    if backend is ThrottleBackend.SIGSTOP and detect_backend() is ThrottleBackend.SIGSTOP:
+        pytest.skip("sigstop is already the detected backend")
+    slowdowns = (2.0, 4.0) if backend is None else (2.0,)
+    baselines = [_work(None)]
+    throttled = []
+    for slowdown in slowdowns:
+        with ComputeThrottle(name=_name(), slowdown=slowdown, backend=backend) as throttle:
+            throttled.append(_work(throttle))
+        baselines.append(_work(None))
+    full = _unthrottled_count(baselines, backend or detect_backend())
+    for (count, _), slowdown in zip(throttled, slowdowns, strict=True):
+        ratio = full / count
+        assert ratio == pytest.approx(slowdown, rel=TOLERANCE), (slowdown, ratio, baselines, throttled)
+
+
+@pytest.mark.skipif(detect_backend() is ThrottleBackend.SIGSTOP, reason="memory caps need writable cgroups")
+def test_memory_cap_kills_a_greedy_process() -> None:
+    with ComputeThrottle(name=_name(), slowdown=1.0, memory_gb=0.1) as throttle:
+        greedy = throttle.wrap_argv([sys.executable, "-c", "b = b'x' * 400_000_000"])
+        assert subprocess.run(greedy, check=False, timeout=30).returncode != 0
+        modest = throttle.wrap_argv([sys.executable, "-c", "b = b'x' * 10_000_000"])
+        assert subprocess.run(modest, check=False, timeout=30).returncode == 0
+
+
+@pytest.mark.parametrize("_", [0], ids=["in-namespace"])
+@requires_netns[0]
+@requires_netns[1]
+def test_throttle_applies_inside_namespace(_: int) -> None:
+    profile = parse_profile({"run_id": "thr", "peers": [{"name": "a"}]})
+    with NetnsLab(profile, prefix=unique_prefix()) as netlab:
+
+        def work(throttle: ComputeThrottle | None) -> tuple[int, float]:
+            argv = [sys.executable, "-c", LOOP]
+            proc = netlab.run_in_ns(0, argv, throttle=throttle, stdout=subprocess.PIPE)
+            out, _ = proc.communicate(timeout=30)
+            return _parse(out)
+
+        base = work(None)
+        with ComputeThrottle(name=_name(), slowdown=3.0) as throttle:
+            slow = work(throttle)
+            backend = throttle.backend
+        assert _unthrottled_count([base], backend) / slow[0] == pytest.approx(3.0, rel=TOLERANCE)
