@@ -9,8 +9,9 @@ do at full speed. Three mechanisms, best first; `detect_backend` picks the first
    the v1 ``memory`` hierarchy (``memory.limit_in_bytes``). This machine mounts the v1 controllers
    (its cgroup2 mount has no ``cpu`` controller), so this is what runs here.
 3. ``sigstop``: a small driver process stops and continues the peer's process group on a duty cycle
-   (runs ``period/k``, stopped for the rest). Approximate (signal latency, stops mid-syscall, no memory
-   cap) — the fallback when cgroups are not writable, e.g. unprivileged containers.
+   (runs ``period/k``, stopped for the rest, on an absolute schedule). The peer starts stopped and the
+   driver releases it, so it never runs free. Approximate (signal latency, stops mid-syscall, no
+   memory cap) — the fallback when cgroups are not writable, e.g. unprivileged containers.
 
 The two kinds differ under load. A cgroup quota is absolute: ``base_cpus / k`` CPUs, which the group
 gets even when other processes load the host (as long as that much is spare), so a slow peer is as slow
@@ -26,8 +27,12 @@ removed by `ComputeThrottle.close` (which first moves any survivor back to the p
 Usage with the lab::
 
     with ComputeThrottle(name="rvt1a2b-3", slowdown=4.0) as throttle:
-        proc = lab.run_in_ns(3, throttle.wrap_argv(argv), env=thread_env(1))
-        throttle.attach(proc.pid)   # needed for sigstop; harmless for cgroups (already inside)
+        proc = lab.run_in_ns(3, argv, env=thread_env(1), throttle=throttle)
+
+or without the lab::
+
+    proc = subprocess.Popen(throttle.wrap_argv(argv), start_new_session=True)
+    throttle.attach(proc.pid)   # starts the sigstop driver; harmless for cgroups (already inside)
 """
 
 from __future__ import annotations
@@ -182,11 +187,17 @@ class ComputeThrottle:
         return path
 
     def wrap_argv(self, argv: list[str]) -> list[str]:
-        """Return a command that joins the cgroup(s) and then execs ``argv`` (unchanged for sigstop).
+        """Return a command that joins the throttle and then execs ``argv``.
 
-        Joining before exec means the peer never runs a moment unthrottled and its memory is charged to
-        the group from the start.
+        cgroups: the command joins the group(s) before exec, so the peer never runs a moment
+        unthrottled and its memory is charged to the group from the start. sigstop: the command stops
+        itself before exec; the driver started by `attach` continues it, so the peer does not run
+        free while the driver starts. Either way the pid is that of ``argv`` once it runs.
         """
+        if self.backend is ThrottleBackend.SIGSTOP:
+            if self.slowdown <= 1.0:
+                return list(argv)
+            return ["/bin/sh", "-c", 'kill -STOP $$ && exec "$@"', "ravnest-throttle", *argv]
         if not self._groups:
             return list(argv)
         joins = " && ".join(f'echo $$ > "${i + 1}"' for i in range(len(self._groups)))
@@ -195,7 +206,11 @@ class ComputeThrottle:
         return ["/bin/sh", "-c", script, "ravnest-throttle", *procs, *argv]
 
     def attach(self, pid: int) -> None:
-        """Throttle a running process: join the cgroup(s), or start a duty-cycle driver for sigstop."""
+        """Throttle a running process: join the cgroup(s), or start a duty-cycle driver for sigstop.
+
+        For sigstop this must be called for every process started with `wrap_argv` (it waits, stopped,
+        for the driver).
+        """
         for group in self._groups:
             (group / "cgroup.procs").write_text(str(pid))
         if self.backend is ThrottleBackend.SIGSTOP and self.slowdown > 1.0:
