@@ -67,8 +67,8 @@ def main(quick: bool) -> None:
     w = networks["workload"]
     workload = Workload(w["num_stages"], w["num_replicas"], w["c_dp_bytes"], w["c_pp_bytes"])
     seeds = [0] if quick else [0, 1, 2]
-    budget_s, stall_s = (10.0, 5.0) if quick else (60.0, 15.0)
-    ablation_budget_s = 5.0 if quick else 30.0
+    budget_s, stall_s = (10.0, 5.0) if quick else (60.0, 10.0)
+    ablation_budget_s = 5.0 if quick else 20.0
     rows: list[dict[str, Any]] = []
     for name, scenario in networks["scenarios"].items():
         model = CostModel(*build_matrices(scenario), workload)

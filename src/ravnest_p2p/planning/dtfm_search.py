@@ -337,7 +337,7 @@ def hybrid_search(
 
     def note(score: tuple[float, float]) -> None:
         nonlocal best_cost, best_found
-        if score[0] < best_cost - 1e-9 * max(1.0, best_cost):
+        if not np.isfinite(best_cost) or score[0] < best_cost - 1e-9 * max(1.0, best_cost):
             best_cost, best_found = score[0], clock() - started
 
     scorer = _Scorer(model)

@@ -122,3 +122,12 @@ def test_search_finds_the_exhaustive_optimum_on_small_networks(seed: int) -> Non
     model.check(result.placement)
     assert result.cost == pytest.approx(best, rel=1e-9)
     assert result.cost == pytest.approx(model.cost(result.placement), rel=1e-12)
+
+
+def test_search_reports_when_it_found_its_best() -> None:
+    ticks = iter(range(10_000))
+    model = _tiny_model(0.0)
+    config = SearchConfig(cpu_budget_s=1e9, max_generations=3, structure_seeds=False)
+    result = hybrid_search(model, config, clock=lambda: next(ticks))
+    assert result.cost == pytest.approx(1.5)
+    assert 0 < result.best_found_cpu_s <= result.cpu_s
