@@ -251,6 +251,28 @@ class StageExecutor:
         self._after_backward()
         return LossResult(loss=float(loss.detach()), grad_input=grad_input)
 
+    def validate_forward(self, micro_batch_id: int, inputs: Tensor, labels: Tensor | None = None) -> None:
+        """Check a forward (or, on the last stage, forward_loss) message without changing any state.
+
+        Lets a network handler refuse a bad message in its reply instead of failing later on the
+        compute thread. Raises `InvalidMessage` exactly when `forward`/`forward_loss` would.
+        """
+        mb = check_micro_batch_id(micro_batch_id)
+        if mb in self._in_flight:
+            raise InvalidMessage(f"micro-batch {mb} is already in flight")
+        x = check_tensor(inputs, self.input_spec, f"input of micro-batch {mb}")
+        if self.is_last:
+            assert self.label_spec is not None
+            check_tensor(labels, self.label_spec, f"labels of micro-batch {mb}", batch_size=x.shape[0])
+
+    def validate_backward(self, micro_batch_id: int, grad_output: Tensor) -> None:
+        """Check a backward message without changing any state (see `validate_forward`)."""
+        mb = check_micro_batch_id(micro_batch_id)
+        record = self._in_flight.get(mb)
+        if record is None:
+            raise InvalidMessage(f"micro-batch {mb} is not in flight at this stage")
+        check_matches(grad_output, record.output_shape, record.output_dtype, f"gradient of micro-batch {mb}")
+
     def predict(self, inputs: Tensor) -> Tensor:
         """Evaluation forward with the live weights (eval mode, no grad, no state kept)."""
         x = check_tensor(inputs, self.input_spec, "input").to(self.device)

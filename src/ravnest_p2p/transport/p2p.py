@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 _STREAM_SUFFIX = "/stream"
 _RECONNECT_AFTER_S = 30.0
-_MAX_DISCARD_BYTES = 256 * 2**20
+_MAX_DISCARD_BYTES = 2**30
 _DISCARD_TIMEOUT_S = 10.0
 
 

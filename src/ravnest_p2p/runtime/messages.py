@@ -1,0 +1,95 @@
+"""Wire messages of the pipeline: activations forward, gradients backward, evaluation results, finish.
+
+Every message names the plan epoch and the micro-batch; receivers refuse a wrong epoch, an unexpected
+sender, an unknown micro-batch, a wrong shape/dtype or non-finite values before anything touches state.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ravnest_p2p.transport.rpc import RpcMethod
+
+__all__ = [
+    "BACKWARD",
+    "EVAL_RESULT",
+    "FINISH",
+    "FORWARD",
+    "Ack",
+    "BackwardRequest",
+    "EvalResult",
+    "FinishRequest",
+    "ForwardRequest",
+    "Mode",
+]
+
+# Activations of one micro-batch; beyond this a sender must use smaller micro-batches.
+MAX_ACTIVATION_BYTES = 256 * 2**20
+_ID = Field(ge=0, le=2**62)
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
+
+
+class Mode(StrEnum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+class ForwardRequest(_Msg):
+    """Tensors: [activations, labels]."""
+
+    epoch: int = _ID
+    micro_batch_id: int = _ID
+    mode: Mode = Mode.TRAIN
+    weight_version: int = _ID
+
+
+class BackwardRequest(_Msg):
+    """Tensors: [gradient w.r.t. the receiver's output]. `loss` travels back to the first stage."""
+
+    epoch: int = _ID
+    micro_batch_id: int = _ID
+    loss: float | None = None
+
+
+class EvalResult(_Msg):
+    """From the last stage to the first: summed loss and correct predictions of an eval micro-batch."""
+
+    epoch: int = _ID
+    micro_batch_id: int = _ID
+    loss_sum: float = Field(ge=0)
+    num_correct: int = Field(ge=0)
+    num_samples: int = Field(ge=1, description="batch size (weights the loss)")
+    num_targets: int = Field(ge=1, description="labels predicted (e.g. tokens; weights accuracy)")
+
+
+class FinishRequest(_Msg):
+    epoch: int = _ID
+
+
+class Ack(_Msg):
+    queued: int = Field(default=0, ge=0)
+
+
+FORWARD = RpcMethod(
+    "forward",
+    ForwardRequest,
+    Ack,
+    max_request_bytes=MAX_ACTIVATION_BYTES,
+    max_tensors=2,
+    handler_timeout_s=120,
+)
+BACKWARD = RpcMethod(
+    "backward",
+    BackwardRequest,
+    Ack,
+    max_request_bytes=MAX_ACTIVATION_BYTES,
+    max_tensors=1,
+    handler_timeout_s=120,
+)
+EVAL_RESULT = RpcMethod("eval_result", EvalResult, Ack, max_request_bytes=4096, max_tensors=0)
+FINISH = RpcMethod("finish", FinishRequest, Ack, max_request_bytes=4096, max_tensors=0)

@@ -1,0 +1,94 @@
+"""The researcher's JobSpec: what to train, on what data, how; published under the run's `job` key.
+
+A job names its model by registry key + config and its data set by name (never shipped code), so a
+peer can only ever run what its own installed package defines. `assignment` is an explicit placement
+(clusters of ordered stages) for use until the self-organising planner's plan is active, and for tests
+and benchmarks that must pin the layout.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ravnest_p2p.runtime.optim import OptimizerConfig
+from ravnest_p2p.transport.codec import Compression
+
+__all__ = ["DatasetName", "JobSpec", "StagePlacement"]
+
+DatasetName = Literal["digits", "char_corpus", "synthetic_classification", "synthetic_regression"]
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class StagePlacement(_Config):
+    """One stage: which peer runs layers [first_layer, end_layer)."""
+
+    peer_id: str = Field(min_length=1, max_length=128)
+    first_layer: int = Field(ge=0)
+    end_layer: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _non_empty(self) -> StagePlacement:
+        if self.end_layer <= self.first_layer:
+            raise ValueError("a stage needs at least one layer")
+        return self
+
+
+class JobSpec(_Config):
+    """A training job.
+
+    Attributes:
+        job_id: names the job in metrics and checkpoints.
+        model / model_params: registry key and its config (see `ravnest_p2p.models`).
+        dataset / dataset_config: built-in data set and its options (e.g. ``block_size`` for text).
+        batch_size: samples per micro-batch.
+        num_epochs: passes over each cluster's shard of the data.
+        max_steps: cap on micro-batches per cluster (None: the epochs decide).
+        max_in_flight: micro-batches in a pipeline at once (None: the number of stages).
+        update_every: backwards per optimizer step.
+        eval_every_steps: evaluate on held-out data every this many micro-batches (0: only at the end).
+        averaging_period_steps: average replicas across clusters every this many micro-batches.
+        assignment: explicit clusters (each an ordered list of stages) instead of the planner's plan.
+    """
+
+    schema_version: int = 1
+    job_id: str = Field(default="job", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    model: str = "digits_cnn"
+    model_params: dict[str, Any] = Field(default_factory=dict)
+    dataset: DatasetName = "digits"
+    dataset_config: dict[str, Any] = Field(default_factory=dict)
+    optimizer: OptimizerConfig = OptimizerConfig()
+    batch_size: int = Field(default=32, ge=1, le=65536)
+    num_epochs: int = Field(default=1, ge=1, le=10_000)
+    max_steps: int | None = Field(default=None, ge=1)
+    max_in_flight: int | None = Field(default=None, ge=1, le=1024)
+    update_every: int = Field(default=1, ge=1)
+    recompute: bool = False
+    compression: Compression = Compression.NONE
+    seed: int = Field(default=0, ge=0, le=2**31)
+    eval_every_steps: int = Field(default=0, ge=0)
+    eval_batch_size: int = Field(default=256, ge=1)
+    averaging_period_steps: int = Field(default=0, ge=0)
+    assignment: tuple[tuple[StagePlacement, ...], ...] | None = None
+
+    @model_validator(mode="after")
+    def _contiguous(self) -> JobSpec:
+        for index, cluster in enumerate(self.assignment or ()):
+            if not cluster:
+                raise ValueError(f"cluster {index} has no stages")
+            if cluster[0].first_layer != 0:
+                raise ValueError(f"cluster {index} must start at layer 0")
+            for a, b in itertools.pairwise(cluster):
+                if b.first_layer != a.end_layer:
+                    raise ValueError(f"cluster {index}: stages must be contiguous")
+            if len({s.peer_id for s in cluster}) != len(cluster):
+                raise ValueError(f"cluster {index}: a peer appears twice")
+        return self
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")

@@ -1,0 +1,110 @@
+"""Turn a JobSpec and a stage placement into a ready `StageExecutor`, and the job's data into batches.
+
+Every peer builds the *whole* model from (key, config, seed) and keeps only its slice, so all replicas
+and all stages start from bit-identical weights without shipping any.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from torch import Tensor
+
+from ravnest_p2p.models import build_model, get_model_spec, parse_config, sample_input, trace_output_specs
+from ravnest_p2p.runtime.config import StageConfig
+from ravnest_p2p.runtime.stage import StageExecutor
+from ravnest_p2p.training.data import (
+    ArrayDataset,
+    iterate_batches,
+    load_char_corpus,
+    load_digits,
+    make_classification,
+    make_regression,
+)
+from ravnest_p2p.training.job import JobSpec
+
+__all__ = ["build_stage", "load_dataset", "num_layers", "train_batches"]
+
+
+def num_layers(job: JobSpec) -> int:
+    return len(build_model(job.model, job.model_params))
+
+
+def build_stage(job: JobSpec, first_layer: int, end_layer: int, *, max_in_flight: int) -> StageExecutor:
+    """The executor for layers [first_layer, end_layer) of the job's model."""
+    layers = build_model(job.model, job.model_params, seed=job.seed)
+    if not 0 <= first_layer < end_layer <= len(layers):
+        raise ValueError(f"stage [{first_layer}, {end_layer}) outside a model of {len(layers)} layers")
+    spec = get_model_spec(job.model)
+    config = parse_config(job.model, job.model_params)
+    if first_layer == 0:
+        input_spec = spec.input_spec(config)
+    else:
+        input_spec = trace_output_specs(layers, sample_input(job.model, job.model_params))[first_layer - 1]
+    is_last = end_layer == len(layers)
+    stage_config = StageConfig(
+        first_layer_index=first_layer,
+        is_last=is_last,
+        max_in_flight=max_in_flight,
+        update_every=job.update_every,
+        recompute=job.recompute,
+        loss=spec.loss(config),
+        optimizer=job.optimizer,
+    )
+    return StageExecutor(
+        stage_config,
+        layers[first_layer:end_layer],
+        input_spec=input_spec,
+        label_spec=spec.label_spec(config) if is_last else None,
+    )
+
+
+def load_dataset(job: JobSpec) -> tuple[ArrayDataset, ArrayDataset]:
+    """(train, held-out) splits of the job's data set."""
+    options = dict(job.dataset_config)
+    if job.dataset == "digits":
+        return load_digits(seed=int(options.get("split_seed", 0)))
+    if job.dataset == "char_corpus":
+        corpus = load_char_corpus()
+        block_size = int(options.get("block_size", 64))
+        return corpus.windows("train", block_size), corpus.windows("val", block_size)
+    num = int(options.get("num_samples", 2048))
+    if job.dataset == "synthetic_classification":
+        full = make_classification(
+            num_samples=num,
+            in_features=int(options.get("in_features", 16)),
+            num_classes=int(options.get("num_classes", 4)),
+            seed=job.seed,
+        )
+    else:
+        full = make_regression(
+            num_samples=num,
+            in_features=int(options.get("in_features", 16)),
+            out_features=int(options.get("out_features", 1)),
+            seed=job.seed,
+        )
+    cut = int(num * 0.8)
+    return (
+        ArrayDataset(full.inputs[:cut], full.labels[:cut]),
+        ArrayDataset(full.inputs[cut:], full.labels[cut:]),
+    )
+
+
+def train_batches(
+    job: JobSpec, dataset: ArrayDataset, *, cluster_index: int, num_clusters: int
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """The cluster's micro-batches over all epochs (its own shard and shuffle), capped at `max_steps`."""
+    steps = 0
+    for epoch in range(job.num_epochs):
+        for batch in iterate_batches(
+            dataset,
+            batch_size=job.batch_size,
+            seed=job.seed,
+            epoch=epoch,
+            shard_index=cluster_index,
+            num_shards=num_clusters,
+        ):
+            if job.max_steps is not None and steps >= job.max_steps:
+                return
+            steps += 1
+            yield batch
