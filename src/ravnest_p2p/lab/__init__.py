@@ -23,7 +23,13 @@ if TYPE_CHECKING:
         parse_profile,
     )
     from ravnest_p2p.lab.rawtransfer import TransferResult, receive_once, send_bytes
-    from ravnest_p2p.lab.throttle import ComputeThrottle, ThrottleBackend, detect_backend, thread_env
+    from ravnest_p2p.lab.throttle import (
+        ComputeThrottle,
+        ThrottleBackend,
+        detect_backend,
+        remove_groups,
+        thread_env,
+    )
 
 __all__ = [
     "ComputeThrottle",
@@ -39,6 +45,7 @@ __all__ = [
     "load_profile",
     "parse_profile",
     "receive_once",
+    "remove_groups",
     "remove_leftovers",
     "send_bytes",
     "thread_env",
@@ -51,7 +58,9 @@ _MODULE_OF = {
         "profiles",
     ),
     **dict.fromkeys(["TransferResult", "receive_once", "send_bytes"], "rawtransfer"),
-    **dict.fromkeys(["ComputeThrottle", "ThrottleBackend", "detect_backend", "thread_env"], "throttle"),
+    **dict.fromkeys(
+        ["ComputeThrottle", "ThrottleBackend", "detect_backend", "remove_groups", "thread_env"], "throttle"
+    ),
 }
 assert set(_MODULE_OF) == set(__all__)
 

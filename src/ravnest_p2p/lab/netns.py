@@ -35,8 +35,9 @@ scenarios are therefore documented in the profiles but not emulated. CPU and mem
 (`ravnest_p2p.lab.throttle`).
 
 Cleanup is by prefix: `NetnsLab.down` kills the processes it started (their process groups), then any
-process still inside a ``P-*`` namespace (``ip netns pids``), then deletes the namespaces — which
-destroys their veths and the bridge. It works on a fresh object after a crash and is idempotent.
+process still inside a ``P-*`` namespace (``ip netns pids``) or about to enter one, then deletes the
+namespaces — which destroys their veths and the bridge — and the cgroups of throttles made by
+`NetnsLab.throttle_for`. It works on a fresh object after a crash and is idempotent.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from types import TracebackType
 from typing import Any
 
 from ravnest_p2p.lab.profiles import PeerProfile, ShapingMode, SwarmProfile
-from ravnest_p2p.lab.throttle import ComputeThrottle, ThrottleBackend
+from ravnest_p2p.lab.throttle import ComputeThrottle, ThrottleBackend, remove_groups
 
 __all__ = ["NetnsLab", "lab_address", "remove_leftovers"]
 
@@ -186,6 +187,18 @@ def _entering_pids(namespaces: Sequence[str]) -> list[int]:
     return pids
 
 
+def _kill(pids: list[int], prefix: str) -> None:
+    """SIGTERM the pids' process groups, SIGKILL what is left after a deadline."""
+    for pid in pids:
+        _signal_group(pid, signal.SIGTERM)
+    stubborn = _wait_gone(pids, _KILL_TIMEOUT_S)
+    for pid in stubborn:
+        _signal_group(pid, signal.SIGKILL)
+    still = _wait_gone(stubborn, _KILL_TIMEOUT_S)
+    if still:
+        logger.warning("lab %s: processes survived SIGKILL: %s", prefix, still)
+
+
 def remove_leftovers(prefix: str, extra_pids: Sequence[int] = ()) -> None:
     """Remove every namespace, link and process of the lab with this prefix; idempotent.
 
@@ -195,26 +208,21 @@ def remove_leftovers(prefix: str, extra_pids: Sequence[int] = ()) -> None:
     """
     _check_prefix(prefix)
     namespaces = _prefix_namespaces(prefix)
-    ns_pids: list[int] = []
-    for ns in namespaces:
-        out = _run(["ip", "netns", "pids", ns], check=False).stdout
-        ns_pids += [int(p) for p in out.split()]
-    ns_pids += _entering_pids(namespaces)
-    leaders = list(extra_pids)
-    for pid in leaders:
-        _signal_group(pid, signal.SIGTERM)
-    for pid in ns_pids:
-        _signal_group(pid, signal.SIGTERM)
-    stubborn = _wait_gone(leaders + ns_pids, _KILL_TIMEOUT_S)
-    for pid in stubborn:
-        _signal_group(pid, signal.SIGKILL)
-    still = _wait_gone(stubborn, _KILL_TIMEOUT_S)
-    if still:
-        logger.warning("lab %s: processes survived SIGKILL: %s", prefix, still)
+    _kill(list(extra_pids), prefix)
+    # A process moves from "entering" (running `ip netns exec`) to "inside" only, so scanning in that
+    # order misses none that exist when the scan starts; repeat in case a dying process spawned more.
+    for _ in range(5):
+        found = _entering_pids(namespaces)
+        for ns in namespaces:
+            found += [int(p) for p in _run(["ip", "netns", "pids", ns], check=False).stdout.split()]
+        if not found:
+            break
+        _kill(found, prefix)
     for ns in namespaces:
         _run(["ip", "netns", "delete", ns], check=False)
     for link in _prefix_root_links(prefix):
         _run(["ip", "link", "delete", link], check=False)
+    remove_groups(f"{prefix}-")  # throttles made by NetnsLab.throttle_for
 
 
 class NetnsLab:
@@ -327,6 +335,27 @@ class NetnsLab:
             _htb_class(ns, dev, "1:1", classid, min(mbps, total))
             match = ["u32", "match", "ip", "dst", f"{lab_address(j)}/32", "flowid", classid]
             _run(["tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", *match])
+
+    def throttle_for(self, peer: int | str, *, base_cpus: float = 1.0) -> ComputeThrottle | None:
+        """A (not yet created) `ComputeThrottle` for the peer's ``compute_slowdown`` and ``memory_gb``.
+
+        Named ``<prefix>-<index>`` so that `down` removes its cgroups even after a crash. None when the
+        profile asks for neither a slowdown nor a memory cap.
+
+        Args:
+            peer: peer index or profile name.
+            base_cpus: CPUs (compute threads) the peer uses at full speed.
+        """
+        i = self._index(peer)
+        spec = self.profile.peers[i]
+        if spec.compute_slowdown == 1.0 and spec.memory_gb is None:
+            return None
+        return ComputeThrottle(
+            name=f"{self.prefix}-{i}",
+            slowdown=spec.compute_slowdown,
+            base_cpus=base_cpus,
+            memory_gb=spec.memory_gb,
+        )
 
     def run_in_ns(
         self,

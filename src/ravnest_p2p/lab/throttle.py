@@ -48,7 +48,7 @@ from enum import StrEnum
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["ComputeThrottle", "ThrottleBackend", "detect_backend", "thread_env"]
+__all__ = ["ComputeThrottle", "ThrottleBackend", "detect_backend", "remove_groups", "thread_env"]
 
 _PERIOD_US = 100_000
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,48}$")
@@ -108,6 +108,45 @@ def _v1_parent(controller: str) -> Path | None:
             parent = Path(mount) / _own_cgroup(controller).lstrip("/")
             return parent if os.access(parent, os.W_OK) else None
     return None
+
+
+def _all_parents() -> list[Path]:
+    """Every cgroup directory under which `ComputeThrottle` may have created groups (no side effects)."""
+    parents = []
+    for mount, fstype, options in _mounts():
+        try:
+            if fstype == "cgroup2":
+                parents.append(Path(mount) / _own_cgroup(None).lstrip("/"))
+            elif options & {"cpu", "memory"}:
+                parents.append(Path(mount) / _own_cgroup("cpu" if "cpu" in options else "memory").lstrip("/"))
+        except LookupError:
+            continue
+    return parents
+
+
+def _remove_group(group: Path) -> None:
+    for pid in (group / "cgroup.procs").read_text().split():
+        try:
+            (group.parent / "cgroup.procs").write_text(pid)
+        except OSError:
+            pass  # exited meanwhile
+    group.rmdir()
+
+
+def remove_groups(name_prefix: str) -> None:
+    """Remove the cgroups of every throttle whose name starts with ``name_prefix`` (crash cleanup).
+
+    Processes still inside are moved to the parent group first, so this never fails on a busy group.
+    """
+    if not name_prefix or "/" in name_prefix or "*" in name_prefix:
+        raise ValueError(f"bad throttle name prefix {name_prefix!r}")
+    for parent in _all_parents():
+        for group in parent.glob(f"ravnest-{name_prefix}*"):
+            if group.is_dir():
+                try:
+                    _remove_group(group)
+                except OSError:
+                    continue
 
 
 def detect_backend() -> ThrottleBackend:
@@ -229,14 +268,8 @@ class ComputeThrottle:
                 driver.wait(timeout=5.0)
         self._drivers.clear()
         for group in reversed(self._groups):
-            if not group.exists():
-                continue
-            for pid in (group / "cgroup.procs").read_text().split():
-                try:
-                    (group.parent / "cgroup.procs").write_text(pid)
-                except OSError:
-                    pass  # exited meanwhile
-            group.rmdir()
+            if group.exists():
+                _remove_group(group)
         self._groups.clear()
 
     def __enter__(self) -> ComputeThrottle:

@@ -58,17 +58,28 @@ def test_per_destination_matrix_and_tbf() -> None:
 
 
 def test_down_after_simulated_crash_cleans_up() -> None:
-    profile = load_profile(PEERS_DIR / "lab4.toml")
+    profile = parse_profile(
+        {"run_id": "crash", "peers": [{"name": "a"}, {"name": "b", "compute_slowdown": 2.0, "memory_gb": 1}]}
+    )
     prefix = unique_prefix()
     crashed = NetnsLab(profile, prefix=prefix)
     crashed.up()
-    # A process the crashed owner never reaps, in a session of its own, as a launched peer would be.
-    orphan = crashed.run_in_ns(2, ["sleep", "60"], stdout=subprocess.DEVNULL)
+    throttle = crashed.throttle_for("b")
+    assert throttle is not None
+    throttle.create()
+    # Processes the crashed owner never reaps, in sessions of their own, as launched peers would be.
+    orphans = [
+        crashed.run_in_ns("a", ["sleep", "60"], stdout=subprocess.DEVNULL),
+        crashed.run_in_ns("b", ["sleep", "60"], stdout=subprocess.DEVNULL, throttle=throttle),
+    ]
     with pytest.raises(RuntimeError, match="in use"):
         NetnsLab(profile, prefix=prefix).up()
     NetnsLab(profile, prefix=prefix).down()  # fresh object: knows nothing but the prefix
-    assert orphan.wait(timeout=10) != 0
-    assert_no_leftovers(prefix, [orphan.pid])
+    for orphan in orphans:
+        assert orphan.wait(timeout=10) != 0
+    assert_no_leftovers(prefix, [o.pid for o in orphans])
+    cgroups = [p for p in Path("/sys/fs/cgroup").rglob(f"ravnest-{prefix}-*") if p.is_dir()]
+    assert not cgroups
 
 
 def test_run_in_ns_env_and_log(tmp_path: Path) -> None:

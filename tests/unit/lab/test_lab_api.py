@@ -29,6 +29,7 @@ def test_public_api_is_pinned() -> None:
         "load_profile",
         "parse_profile",
         "receive_once",
+        "remove_groups",
         "remove_leftovers",
         "send_bytes",
         "thread_env",
@@ -71,10 +72,24 @@ def test_names_fit_interface_limit() -> None:
         netlab.address_of(3)
 
 
+def test_throttle_for_follows_profile() -> None:
+    profile = parse_profile(
+        {"run_id": "x", "peers": [{"name": "a"}, {"name": "b", "compute_slowdown": 2.5, "memory_gb": 3}]}
+    )
+    netlab = NetnsLab(profile, prefix="rvtq")
+    assert netlab.throttle_for("a") is None
+    throttle = netlab.throttle_for("b", base_cpus=2)
+    assert throttle is not None
+    assert (throttle.name, throttle.slowdown, throttle.base_cpus, throttle.memory_gb) == ("rvtq-1", 2.5, 2, 3)
+
+
 def test_throttle_quota_and_thread_env() -> None:
     throttle = ComputeThrottle(name="t", slowdown=4.0, base_cpus=2.0, backend=ThrottleBackend.SIGSTOP)
     assert throttle.quota_us == 50_000
-    assert throttle.wrap_argv(["a", "b"]) == ["a", "b"]
+    assert throttle.wrap_argv(["a", "b"])[-2:] == ["a", "b"]
+    assert throttle.wrap_argv(["a", "b"])[0] == "/bin/sh"  # starts stopped, released by the driver
+    idle = ComputeThrottle(name="t", slowdown=1.0, backend=ThrottleBackend.SIGSTOP)
+    assert idle.wrap_argv(["a", "b"]) == ["a", "b"]
     assert thread_env(3)["OMP_NUM_THREADS"] == "3"
     with pytest.raises(ValueError):
         ComputeThrottle(name="t", slowdown=0.5)
