@@ -1,6 +1,5 @@
-"""`make demo`: a bootstrap and three peers on loopback find each other, measure themselves, and shut down.
-
-Later issues turn this into training; for now it shows the foundation working end to end.
+"""`make demo`: three peers on loopback find each other, measure themselves, and train the digits CNN
+as a 3-stage asynchronous pipeline; progress (loss, samples/s) is shown, then the test accuracy.
 """
 
 from __future__ import annotations
@@ -8,34 +7,70 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from ravnest_p2p.status import fetch_peers, format_table
+from ravnest_p2p.client import RunClient
+from ravnest_p2p.runtime.optim import OptimizerConfig
+from ravnest_p2p.status import format_table
 from ravnest_p2p.swarm import LocalSwarm
+from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.metrics import StageMetrics
 
 NUM_PEERS = 3
+RUN_ID = "demo"
 
 
-async def _wait_for_membership(initial_peers: list[str], run_id: str, timeout_s: float = 90.0) -> str:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        records = await fetch_peers(initial_peers, run_id)
-        ready = [r for r in records if r.flops > 0 and r.upload_mbps > 0 and r.download_mbps > 0]
-        if len(ready) >= NUM_PEERS + 1:
-            return format_table(records)
-        if loop.time() > deadline:
-            raise TimeoutError(f"only {len(ready)} of {NUM_PEERS + 1} peers measured themselves in time")
-        print(f"  {len(records)} peers visible, {len(ready)} measured; waiting...", flush=True)
-        await asyncio.sleep(2.0)
+def _progress(metrics: list[StageMetrics]) -> None:
+    if not metrics:
+        print("  waiting for the first metrics ...", flush=True)
+        return
+    first = next((m for m in metrics if m.stage == 0), None)
+    last = max(metrics, key=lambda m: m.stage)
+    if first is not None:
+        loss = f"{last.loss:.4f}" if last.loss is not None else "-"
+        print(
+            f"  step {first.step:4d}  loss {loss}  {last.samples_per_s:7.1f} samples/s  "
+            f"in flight {first.in_flight}",
+            flush=True,
+        )
+
+
+async def _run(initial_peers: list[str]) -> float:
+    async with await RunClient.connect(initial_peers, RUN_ID) as client:
+        records = await client.wait_for_peers(NUM_PEERS, timeout_s=120)
+        print("\nmembership (measured by each peer):\n" + format_table(records), flush=True)
+        job = JobSpec(
+            job_id="digits-demo",
+            model="digits_cnn",
+            dataset="digits",
+            batch_size=32,
+            num_epochs=8,
+            seed=0,
+            optimizer=OptimizerConfig(name="adam", lr=3e-3),
+            eval_every_steps=60,
+        )
+        job = client.plan(records[:NUM_PEERS], job, min_stages=NUM_PEERS)
+        print(
+            "\nplan: "
+            + " -> ".join(
+                f"…{s.peer_id[-6:]}[layers {s.first_layer}:{s.end_layer}]"
+                for s in job.assignment[0]  # type: ignore[index]
+            ),
+            flush=True,
+        )
+        await client.publish_job(job)
+        print("training (asynchronous 1F1B pipeline, no flushes):", flush=True)
+        final = await client.wait_for_job(job, timeout_s=600, on_progress=_progress)
+        first = next(m for m in final if m.stage == 0)
+        assert first.eval_accuracy is not None
+        return first.eval_accuracy
 
 
 def main() -> int:
-    print(f"starting a bootstrap peer and {NUM_PEERS} peers on 127.0.0.1 ...", flush=True)
-    with LocalSwarm(NUM_PEERS, run_id="demo") as swarm:
-        print(f"bootstrap: {swarm.initial_peers[0]}", flush=True)
-        table = asyncio.run(_wait_for_membership(swarm.initial_peers, "demo"))
-        print("\nmembership (measured by each peer):\n" + table, flush=True)
+    print(f"starting {NUM_PEERS} peers on 127.0.0.1 ...", flush=True)
+    with LocalSwarm(NUM_PEERS - 1, run_id=RUN_ID) as swarm:
+        accuracy = asyncio.run(_run(swarm.initial_peers))
+        print(f"\nfinal test accuracy: {accuracy:.2%}", flush=True)
         codes = swarm.stop()
-    print(f"\nshut down; exit codes: {codes}")
+    print(f"shut down; exit codes: {codes}")
     return 0 if all(code == 0 for code in codes.values()) else 1
 
 

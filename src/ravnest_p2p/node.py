@@ -6,6 +6,7 @@ Nothing here decides anything; it builds the parts from one `PeerConfig`, starts
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import platform
 from dataclasses import dataclass
@@ -16,13 +17,28 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ravnest_p2p import __version__
 from ravnest_p2p.discovery import Announcer, PeerDirectory, PeerRecord, RunDHT, dht_time
 from ravnest_p2p.measurement import NetworkMeter, ProbeConfig, free_memory_bytes, measure_matmul_flops
+from ravnest_p2p.membership import DhtPlanBoard, MembershipConfig, MembershipService
+from ravnest_p2p.training.runner import StageRunner, find_placement, read_job
 from ravnest_p2p.transport import HostConfig, P2PTransport, RpcEndpoint, load_or_create_identity
 from ravnest_p2p.types import PeerState
 from ravnest_p2p.utils import TaskOwner, run_in_compute_thread
 
-__all__ = ["Peer", "PeerConfig", "PeerStatus"]
+__all__ = ["EmulationConfig", "Peer", "PeerConfig", "PeerStatus"]
 
 logger = logging.getLogger(__name__)
+
+
+class EmulationConfig(BaseModel):
+    """Lab-only: scale/cap the figures a peer *reports*, to fake heterogeneity on one machine (loopback).
+
+    Never set this on a real volunteer: it makes the peer lie (within the record's valid ranges).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    flops_scale: float = Field(default=1.0, gt=0, le=1e3)
+    upload_mbps: float | None = Field(default=None, gt=0)
+    download_mbps: float | None = Field(default=None, gt=0)
 
 
 class PeerConfig(BaseModel):
@@ -45,7 +61,10 @@ class PeerConfig(BaseModel):
     directory_refresh_s: float = Field(default=3.0, gt=0)
     status_interval_s: float = Field(default=10.0, gt=0)
     check_identity_free: bool = True
+    job_poll_s: float = Field(default=2.0, gt=0)
     probe: ProbeConfig = ProbeConfig()
+    membership: MembershipConfig = MembershipConfig()
+    emulate: EmulationConfig | None = None
 
     @field_validator("device")
     @classmethod
@@ -84,11 +103,18 @@ class Peer:
         self.meter = NetworkMeter(self.rpc, config.probe)
         self.directory = PeerDirectory(dht, transport, refresh_period_s=config.directory_refresh_s)
         self.announcer = Announcer(dht, self._make_record, ttl_s=config.record_ttl_s)
+        self.membership = (
+            MembershipService(config.membership, self.rpc, self.directory, DhtPlanBoard(dht))
+            if config.membership.enabled
+            else None
+        )
         self.state = PeerState.JOINING
         self.flops = 0.0
         self._maddrs: list[str] = []
         self._tasks = TaskOwner(f"peer-{transport.peer_id[-6:]}")
         self._closed = False
+        self.jobs_done: set[str] = set()
+        self.runner: StageRunner | None = None
 
     @classmethod
     async def start(cls, config: PeerConfig) -> Peer:
@@ -130,11 +156,47 @@ class Peer:
         self._tasks.spawn(self.announcer.run(), name="announce")
         self._tasks.spawn(self.directory.run(), name="directory")
         self._tasks.spawn(self.meter.run(self._probe_candidates, self.announcer.refresh_soon), name="probe")
+        if self.membership is not None:
+            await self.membership.serve()
+            self.membership.add_listener(lambda _plan: self.announcer.refresh_soon())
+            self._tasks.spawn(self.membership.run(), name="membership")
+        self._tasks.spawn(self._job_loop(), name="jobs")
         logger.info("peer %s ready: %.1f GFLOP/s", self.peer_id, self.flops / 1e9)
 
     @property
     def peer_id(self) -> str:
         return self.transport.peer_id
+
+    async def _job_loop(self) -> None:
+        """Watch the run's job; train our stage of each new job that places us."""
+        while True:
+            try:
+                job = await read_job(self.dht)
+            except Exception as exc:
+                logger.debug("reading the job failed: %r", exc)
+                job = None
+            placement = find_placement(job, self.peer_id) if job is not None else None
+            if job is not None and placement is not None and job.job_id not in self.jobs_done:
+                self.jobs_done.add(job.job_id)
+                logger.info(
+                    "job %s: stage %d of %d in cluster %d",
+                    job.job_id,
+                    placement.stage_index,
+                    len(placement.stages),
+                    placement.cluster_index,
+                )
+                self.state = PeerState.TRAINING
+                self.announcer.refresh_soon()
+                self.runner = StageRunner(self.rpc, self.dht, job, placement)
+                try:
+                    final = await self.runner.run()
+                    logger.info("job %s finished: step %d loss %s", job.job_id, final.step, final.loss)
+                except Exception as exc:
+                    logger.error("job %s failed on this peer: %s", job.job_id, exc)
+                finally:
+                    self.state = PeerState.READY
+                    self.announcer.refresh_soon()
+            await asyncio.sleep(self.config.job_poll_s)
 
     @property
     def maddrs(self) -> list[str]:
@@ -147,18 +209,27 @@ class Peer:
 
     def _make_record(self) -> PeerRecord:
         up, down, rtt = self.meter.summary()
+        flops, emulate = self.flops, self.config.emulate
+        if emulate is not None:
+            flops *= emulate.flops_scale
+            up = min(up, emulate.upload_mbps or up)
+            down = min(down, emulate.download_mbps or down)
+        epoch, cluster, stage = self.membership.position() if self.membership else (0, None, None)
         return PeerRecord(
             peer_id=self.peer_id,
             maddrs=tuple(self._maddrs),
             software_version=f"ravnest_p2p/{__version__} py/{platform.python_version()}",
             device=self.config.device,
-            flops=self.flops,
+            flops=flops,
             free_memory_bytes=free_memory_bytes(self.config.device, cap_gb=self.config.max_memory_gb),
             upload_mbps=up,
             download_mbps=down,
             rtt_ms=rtt,
             state=self.state,
             client_mode=self.config.client_mode,
+            epoch=epoch,
+            cluster=cluster,
+            stage=stage,
             updated_at=dht_time(),
         )
 
@@ -180,6 +251,8 @@ class Peer:
             return
         self._closed = True
         await self._tasks.aclose()
+        if self.membership is not None:
+            await self.membership.aclose()
         if drain and self.state != PeerState.JOINING:
             self.state = PeerState.DRAINING
             await self.announcer.drain()

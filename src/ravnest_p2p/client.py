@@ -1,0 +1,128 @@
+"""The researcher's handle on a run: list peers, publish a job, watch its metrics, wait for the result.
+
+Used by notebooks (top-level ``await``) and `make demo`. It joins the DHT as a client: it serves
+nothing and is never planned as a stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from types import TracebackType
+
+from ravnest_p2p.discovery import PeerDirectory, PeerRecord, RunDHT
+from ravnest_p2p.errors import RavnestError
+from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.metrics import StageMetrics, metrics_key
+from ravnest_p2p.training.placement import plan_assignment
+from ravnest_p2p.training.runner import JOB_KEY
+from ravnest_p2p.transport import HostConfig, P2PTransport, load_or_create_identity
+
+__all__ = ["RunClient"]
+
+logger = logging.getLogger(__name__)
+
+
+class RunClient:
+    """Connect with `await RunClient.connect(initial_peers, run_id)`; close with `await client.aclose()`."""
+
+    def __init__(self, transport: P2PTransport, dht: RunDHT) -> None:
+        self._transport = transport
+        self.dht = dht
+        self._directory = PeerDirectory(dht)
+
+    @classmethod
+    async def connect(cls, initial_peers: Sequence[str], run_id: str = "default") -> RunClient:
+        transport = await P2PTransport.create(
+            HostConfig(initial_peers=tuple(initial_peers), client_mode=True), load_or_create_identity(None)
+        )
+        try:
+            dht = await RunDHT.create(transport, run_id=run_id, initial_peers=initial_peers, client_mode=True)
+        except BaseException:
+            await transport.aclose()
+            raise
+        return cls(transport, dht)
+
+    async def peers(self) -> list[PeerRecord]:
+        """Live, valid peer records of the run, sorted by peer id."""
+        return sorted((await self._directory.refresh()).values(), key=lambda r: r.peer_id)
+
+    async def wait_for_peers(
+        self, count: int, *, timeout_s: float = 120.0, measured: bool = True
+    ) -> list[PeerRecord]:
+        """Wait until `count` ready peers (with measured compute and links, if asked) are visible."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            records = [r for r in await self.peers() if r.state == "ready"]
+            if measured:
+                records = [r for r in records if r.flops > 0 and r.upload_mbps > 0 and r.download_mbps > 0]
+            if len(records) >= count:
+                return records
+            if loop.time() > deadline:
+                raise TimeoutError(f"only {len(records)} of {count} peers ready after {timeout_s:.0f}s")
+            await asyncio.sleep(1.0)
+
+    def plan(self, records: Sequence[PeerRecord], job: JobSpec, *, min_stages: int = 1) -> JobSpec:
+        """The job with an explicit assignment computed by the planner over `records`."""
+        return job.model_copy(update={"assignment": plan_assignment(records, job, min_stages=min_stages)})
+
+    async def publish_job(self, job: JobSpec, *, ttl_s: float = 3600.0) -> None:
+        if not job.assignment:
+            raise ValueError("the job has no assignment; use plan() first")
+        if not await self.dht.store_own(JOB_KEY, job.to_wire(), ttl_s=ttl_s):
+            raise RavnestError("no DHT peer accepted the job")
+
+    async def metrics(self, *, epoch: int = 0, job_id: str | None = None) -> list[StageMetrics]:
+        found = await self.dht.get_signed(metrics_key(epoch))
+        out = []
+        for signer, (value, _) in found.items():
+            try:
+                m = StageMetrics.model_validate(value)
+            except Exception:
+                continue
+            if m.peer_id == signer and (job_id is None or m.job_id == job_id):
+                out.append(m)
+        return sorted(out, key=lambda m: (m.cluster, m.stage))
+
+    async def wait_for_job(
+        self,
+        job: JobSpec,
+        *,
+        timeout_s: float = 600.0,
+        poll_s: float = 2.0,
+        on_progress: Callable[[list[StageMetrics]], None] | None = None,
+    ) -> list[StageMetrics]:
+        """Poll metrics until every first stage of the job reports done; return the final metrics."""
+        assert job.assignment is not None
+        num_clusters = len(job.assignment)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            metrics = await self.metrics(job_id=job.job_id)
+            if on_progress is not None:
+                on_progress(metrics)
+            failed = [m for m in metrics if m.failed]
+            if failed:
+                raise RavnestError(
+                    f"stage {failed[0].stage} of cluster {failed[0].cluster} failed: {failed[0].failed}"
+                )
+            firsts = [m for m in metrics if m.stage == 0 and m.done]
+            if len(firsts) >= num_clusters:
+                return metrics
+            if loop.time() > deadline:
+                raise TimeoutError(f"job {job.job_id} not done after {timeout_s:.0f}s")
+            await asyncio.sleep(poll_s)
+
+    async def aclose(self) -> None:
+        await self.dht.aclose()
+        await self._transport.aclose()
+
+    async def __aenter__(self) -> RunClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()

@@ -1,0 +1,40 @@
+"""Training metrics that peers publish to the DHT (`metrics/<epoch>`) and researchers read back."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from ravnest_p2p.types import WireModel
+
+__all__ = ["METRICS_KEY", "StageMetrics", "metrics_key"]
+
+METRICS_KEY = "metrics"
+
+
+def metrics_key(epoch: int) -> str:
+    return f"{METRICS_KEY}/{epoch}"
+
+
+class StageMetrics(WireModel):
+    """One stage's progress. Read from the wire: unknown fields ignored, numbers range-checked."""
+
+    schema_version: int = 1
+    job_id: str = Field(max_length=64)
+    peer_id: str = Field(max_length=128)
+    cluster: int = Field(ge=0, le=100_000)
+    stage: int = Field(ge=0, le=100_000)
+    num_stages: int = Field(ge=1, le=100_000)
+    step: int = Field(ge=0, description="micro-batches this stage has finished (first stage: completed)")
+    optimizer_steps: int = Field(ge=0)
+    loss: float | None = Field(default=None, ge=0, le=1e9)
+    samples_per_s: float = Field(default=0.0, ge=0, le=1e12)
+    queue_forward: int = Field(default=0, ge=0)
+    queue_backward: int = Field(default=0, ge=0)
+    in_flight: int = Field(default=0, ge=0)
+    bytes_sent: int = Field(default=0, ge=0)
+    eval_loss: float | None = Field(default=None, ge=0, le=1e9)
+    eval_accuracy: float | None = Field(default=None, ge=0, le=1)
+    peak_memory_bytes: int = Field(default=0, ge=0)
+    done: bool = False
+    failed: str | None = Field(default=None, max_length=500)
+    updated_at: float = Field(ge=0)

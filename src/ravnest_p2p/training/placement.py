@@ -1,0 +1,84 @@
+"""Bridge from what peers publish and what the researcher asks for to the pure planner, and back.
+
+`plan_assignment` turns live `PeerRecord`s and a `JobSpec` into the job's explicit `assignment` via
+`planning.make_plan`: the layer profile comes from a dry run of the job's model, peer capacities from
+the measured figures in the records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ravnest_p2p.discovery.records import PeerRecord
+from ravnest_p2p.models import build_model, profile_layers, sample_input
+from ravnest_p2p.planning import JobParams, PeerCapacity, Plan, make_plan
+from ravnest_p2p.training.job import JobSpec, StagePlacement
+from ravnest_p2p.types import LayerProfile, PeerState
+
+__all__ = [
+    "assignment_from_plan",
+    "capacities_from_records",
+    "job_params",
+    "layer_profiles",
+    "plan_assignment",
+]
+
+# A peer that has not measured its link yet is planned as if on a modest home connection.
+_DEFAULT_LINK_MBPS = 10.0
+
+
+def layer_profiles(job: JobSpec) -> list[LayerProfile]:
+    layers = build_model(job.model, job.model_params, seed=job.seed)
+    optimizer = (
+        "sgd_momentum" if job.optimizer.name == "sgd" and job.optimizer.momentum else job.optimizer.name
+    )
+    return profile_layers(layers, sample_input(job.model, job.model_params), optimizer=optimizer)
+
+
+def capacities_from_records(records: Sequence[PeerRecord]) -> list[PeerCapacity]:
+    """Peers that can train (ready or training, reachable, measured compute) as planner inputs."""
+    out = []
+    for r in records:
+        if r.state not in (PeerState.READY, PeerState.TRAINING) or r.client_mode or r.flops <= 0:
+            continue
+        up = r.upload_mbps or _DEFAULT_LINK_MBPS
+        down = r.download_mbps or _DEFAULT_LINK_MBPS
+        out.append(
+            PeerCapacity(
+                peer_id=r.peer_id,
+                flops_per_s=r.flops,
+                memory_bytes=r.free_memory_bytes,
+                upload_bytes_per_s=up * 1e6 / 8,
+                download_bytes_per_s=down * 1e6 / 8,
+            )
+        )
+    return out
+
+
+def job_params(job: JobSpec, *, min_stages: int = 1) -> JobParams:
+    return JobParams(
+        micro_batch_size=job.batch_size, max_in_flight=job.max_in_flight or 4, min_stages=min_stages
+    )
+
+
+def assignment_from_plan(plan: Plan) -> tuple[tuple[StagePlacement, ...], ...]:
+    return tuple(
+        tuple(
+            StagePlacement(peer_id=s.peer_id, first_layer=s.first_layer, end_layer=s.last_layer_exclusive)
+            for s in cluster.stages
+        )
+        for cluster in plan.clusters
+    )
+
+
+def plan_assignment(
+    records: Sequence[PeerRecord], job: JobSpec, *, epoch: int = 0, min_stages: int = 1
+) -> tuple[tuple[StagePlacement, ...], ...]:
+    """Clusters and stages for `job` over the live `records` (raises `InfeasiblePlan` if none fit)."""
+    plan = make_plan(
+        capacities_from_records(records),
+        layer_profiles(job),
+        job_params(job, min_stages=min_stages),
+        epoch=epoch,
+    )
+    return assignment_from_plan(plan)

@@ -1,0 +1,202 @@
+"""Runs this peer's part of a job: finds its stage, builds it, trains (first stage drives), publishes metrics.
+
+The job comes from the run's `job` key (published by a researcher); the placement comes from the job's
+explicit `assignment` or, once the self-organising planner is active, from its plan. A peer named in
+no cluster just waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ravnest_p2p.discovery import RunDHT, dht_time
+from ravnest_p2p.errors import RavnestError
+from ravnest_p2p.runtime.service import PipelineConfig, StageService
+from ravnest_p2p.training.job import JobSpec, StagePlacement
+from ravnest_p2p.training.metrics import StageMetrics, metrics_key
+from ravnest_p2p.training.stages import build_stage, load_dataset, train_batches
+from ravnest_p2p.transport.rpc import RpcEndpoint
+from ravnest_p2p.utils import TaskOwner
+
+__all__ = ["JOB_KEY", "Placement", "StageRunner", "find_placement", "read_job"]
+
+logger = logging.getLogger(__name__)
+
+JOB_KEY = "job"
+
+
+@dataclass(frozen=True)
+class Placement:
+    epoch: int
+    cluster_index: int
+    num_clusters: int
+    stage_index: int
+    stages: tuple[StagePlacement, ...]
+
+    @property
+    def peers(self) -> list[str]:
+        return [s.peer_id for s in self.stages]
+
+
+def find_placement(job: JobSpec, peer_id: str, *, epoch: int = 0) -> Placement | None:
+    """Where `peer_id` sits in the job's explicit assignment, if anywhere."""
+    clusters = job.assignment or ()
+    for cluster_index, stages in enumerate(clusters):
+        for stage_index, stage in enumerate(stages):
+            if stage.peer_id == peer_id:
+                return Placement(epoch, cluster_index, len(clusters), stage_index, stages)
+    return None
+
+
+async def read_job(dht: RunDHT) -> JobSpec | None:
+    """The newest valid job in the run (jobs are owner-signed; malformed ones are ignored)."""
+    found = await dht.get_signed(JOB_KEY)
+    newest: tuple[float, JobSpec] | None = None
+    for signer, (value, expiration) in found.items():
+        try:
+            job = JobSpec.model_validate(value)
+        except Exception as exc:
+            logger.debug("ignoring malformed job from %s: %s", signer, exc)
+            continue
+        if newest is None or expiration > newest[0]:
+            newest = (expiration, job)
+    return newest[1] if newest else None
+
+
+def _peak_rss_bytes() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class StageRunner:
+    """Trains one stage of one job to completion and publishes `StageMetrics` while it does."""
+
+    def __init__(
+        self,
+        rpc: RpcEndpoint,
+        dht: RunDHT,
+        job: JobSpec,
+        placement: Placement,
+        *,
+        metrics_period_s: float = 2.0,
+        on_metrics: Callable[[StageMetrics], None] | None = None,
+    ) -> None:
+        self.rpc = rpc
+        self.dht = dht
+        self.job = job
+        self.placement = placement
+        self.metrics_period_s = metrics_period_s
+        self.on_metrics = on_metrics
+        self.eval_loss: float | None = None
+        self.eval_accuracy: float | None = None
+        self.service: StageService | None = None
+        self._done = False
+        self._tasks = TaskOwner("stage-runner")
+
+    def metrics(self) -> StageMetrics:
+        service = self.service
+        assert service is not None
+        stats, depths = service.stats, service.queue_depths()
+        step = stats.completed if service.is_first else max(stats.forwards, stats.backwards)
+        return StageMetrics(
+            job_id=self.job.job_id,
+            peer_id=self.rpc.peer_id,
+            cluster=self.placement.cluster_index,
+            stage=self.placement.stage_index,
+            num_stages=len(self.placement.stages),
+            step=step,
+            optimizer_steps=service.executor.num_steps,
+            loss=stats.last_loss,
+            samples_per_s=stats.samples_per_s(),
+            queue_forward=depths["forward"],
+            queue_backward=depths["backward"],
+            in_flight=len(service.executor.in_flight),
+            bytes_sent=stats.bytes_sent,
+            eval_loss=self.eval_loss,
+            eval_accuracy=self.eval_accuracy,
+            peak_memory_bytes=_peak_rss_bytes(),
+            done=self._done,
+            failed=str(service.failure)[:500] if service.failure else None,
+            updated_at=dht_time(),
+        )
+
+    async def publish_metrics(self) -> None:
+        metrics = self.metrics()
+        if self.on_metrics is not None:
+            self.on_metrics(metrics)
+        try:
+            await self.dht.store_own(
+                metrics_key(self.placement.epoch), metrics.model_dump(mode="json"), ttl_s=600
+            )
+        except Exception as exc:
+            logger.debug("metrics publication failed: %r", exc)
+
+    async def _metrics_loop(self) -> None:
+        while True:
+            await self.publish_metrics()
+            await asyncio.sleep(self.metrics_period_s)
+
+    async def run(self) -> StageMetrics:
+        """Train this stage until the job is done (or fails); return the final metrics."""
+        job, placement = self.job, self.placement
+        stage = placement.stages[placement.stage_index]
+        window = job.max_in_flight or len(placement.stages)
+        executor = build_stage(job, stage.first_layer, stage.end_layer, max_in_flight=window)
+        self.service = service = StageService(
+            self.rpc,
+            executor,
+            epoch=placement.epoch,
+            cluster_peers=placement.peers,
+            stage_index=placement.stage_index,
+            config=PipelineConfig(max_in_flight=window, compression=job.compression),
+        )
+        await service.start()
+        self._tasks.spawn(self._metrics_loop(), name="metrics")
+        started = time.monotonic()
+        try:
+            if service.is_first:
+                await self._drive(service)
+            else:
+                await service.finished.wait()
+            if service.failure is not None:
+                raise RavnestError(f"stage failed: {service.failure}")
+        finally:
+            self._done = True
+            await self._tasks.aclose()
+            await self.publish_metrics()
+            await service.aclose()
+        logger.info(
+            "stage %d of cluster %d done in %.1fs",
+            placement.stage_index,
+            placement.cluster_index,
+            time.monotonic() - started,
+        )
+        return self.metrics()
+
+    async def _drive(self, service: StageService) -> None:
+        job, placement = self.job, self.placement
+        train, held_out = load_dataset(job)
+        batches = train_batches(
+            job, train, cluster_index=placement.cluster_index, num_clusters=placement.num_clusters
+        )
+        eval_batches = [
+            (held_out.inputs[i : i + job.eval_batch_size], held_out.labels[i : i + job.eval_batch_size])
+            for i in range(0, len(held_out), job.eval_batch_size)
+        ]
+        chunk = job.eval_every_steps or None
+        while True:
+            part = list(itertools.islice(batches, chunk)) if chunk else list(batches)
+            if part:
+                await service.train(part)
+            if not chunk or not part or len(part) < chunk:
+                break
+            self.eval_loss, self.eval_accuracy = await service.evaluate(eval_batches)
+            await self.publish_metrics()
+        self.eval_loss, self.eval_accuracy = await service.evaluate(eval_batches)
+        logger.info("held-out loss %.4f accuracy %.4f", self.eval_loss, self.eval_accuracy)
+        await service.finish()
