@@ -1,0 +1,313 @@
+"""`MembershipService`: from signed records to one agreed plan per epoch.
+
+Each round (``gossip_period_s``): (1) rebuild the view from our own validated directory snapshot, the
+only source of records we trust (re-read at once when gossip brought news); (2) gossip with a random
+fanout; (3) let the `EpochTracker` decide; (4) when it says so, compute ``make_plan(view, job, epoch)``
+over the live peers sorted by id, publish the digest under ``plan/<epoch>``, and watch the board until
+every member the plan names published the same digest: then the plan is *active* and listeners hear of
+it. Members silent past ``agreement_timeout_s`` are excluded for ``exclude_for_s`` and a new epoch opens
+without them (a peer that runs no membership service would otherwise block agreement forever).
+
+Limits: exclusion is each peer's own reading of the board, so two peers may exclude different sets
+for a round; their view digests then differ, gossip shows it, and the next stable round re-proposes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ravnest_p2p.discovery import PeerRecord
+from ravnest_p2p.membership.board import PlanBoard
+from ravnest_p2p.membership.epochs import Action, EpochTracker, Phase, Timing
+from ravnest_p2p.membership.gossip import Gossiper
+from ravnest_p2p.membership.view import Capacity, MembershipView, SummaryItem
+from ravnest_p2p.planning import JobParams, Plan, make_plan
+from ravnest_p2p.transport import RpcEndpoint
+from ravnest_p2p.types import LayerProfile, PeerState
+
+__all__ = ["DEFAULT_LAYERS", "MembershipConfig", "MembershipService", "RecordSource", "plan_position"]
+
+logger = logging.getLogger(__name__)
+
+
+def _layer(name: str, flops: float, params: int, act: int) -> LayerProfile:
+    return LayerProfile(
+        name=name,
+        flops_per_sample=flops,
+        param_bytes=params * 4,
+        optimizer_state_bytes=params * 8,
+        activation_bytes_per_sample=act * 4,
+    )
+
+
+# A stand-in job until the JobSpec lands: shaped like the registry's digits CNN (conv, conv, pool,
+# dense, dense), per sample, fp32, Adam. A parameter of `MembershipConfig`, not a constant of the code.
+DEFAULT_LAYERS: tuple[LayerProfile, ...] = (
+    _layer("0:Conv2d", 2 * 8 * 9 * 64, 80, 8 * 64),
+    _layer("1:Conv2d", 2 * 16 * 8 * 9 * 64, 1168, 16 * 64),
+    _layer("2:MaxPool2d", 16 * 16, 0, 16 * 16),
+    _layer("3:Linear", 2 * 256 * 64, 16448, 64),
+    _layer("4:Linear", 2 * 64 * 10, 650, 10),
+)
+
+
+class MembershipConfig(BaseModel):
+    """Gossip, stability and agreement knobs; tests shrink the durations."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = True
+    gossip_period_s: float = Field(default=1.0, gt=0)
+    fanout: int = Field(default=3, ge=1, le=64)
+    call_timeout_s: float = Field(default=2.0, gt=0)
+    num_buckets: int = Field(default=16, ge=1, le=4096)
+    stable_rounds: int = Field(default=3, ge=1)
+    hysteresis_s: float = Field(default=3.0, ge=0)
+    join_delay_s: float = Field(default=10.0, ge=0)
+    grace_s: float = Field(default=15.0, ge=0)
+    agreement_timeout_s: float = Field(default=30.0, gt=0)
+    exclude_for_s: float = Field(default=120.0, ge=0)
+    plan_ttl_s: float = Field(default=120.0, gt=2)
+    job: JobParams = JobParams(micro_batch_size=32)
+    layers: tuple[LayerProfile, ...] = Field(default=DEFAULT_LAYERS, min_length=1)
+
+    def timing(self) -> Timing:
+        return Timing(
+            stable_rounds=self.stable_rounds,
+            hysteresis_s=self.hysteresis_s,
+            join_delay_s=self.join_delay_s,
+            grace_s=self.grace_s,
+            agreement_timeout_s=self.agreement_timeout_s,
+        )
+
+
+class RecordSource(Protocol):
+    """Validated records by peer id (`discovery.PeerDirectory` is one)."""
+
+    @property
+    def peers(self) -> dict[str, PeerRecord]: ...
+
+    async def refresh(self) -> dict[str, PeerRecord]: ...
+
+
+def plan_position(plan: Plan | None, peer_id: str) -> tuple[int | None, int | None]:
+    """(cluster index, stage index) of ``peer_id`` in ``plan``; (None, None) for spares and outsiders."""
+    if plan is not None:
+        for cluster in plan.clusters:
+            for stage, assignment in enumerate(cluster.stages):
+                if assignment.peer_id == peer_id:
+                    return cluster.index, stage
+    return None, None
+
+
+def _plan_members(plan: Plan) -> frozenset[str]:
+    return frozenset([pid for c in plan.clusters for pid in c.peer_ids] + list(plan.spare_peer_ids))
+
+
+def record_capacity(record: PeerRecord) -> Capacity:
+    return Capacity.from_figures(
+        flops=record.flops,
+        memory_bytes=record.free_memory_bytes,
+        upload_mbps=record.upload_mbps,
+        download_mbps=record.download_mbps,
+    )
+
+
+class MembershipService:
+    """Gossip + epochs + plan agreement for one peer. Owners run `serve()`, then `run()` as a task."""
+
+    def __init__(
+        self,
+        config: MembershipConfig,
+        rpc: RpcEndpoint,
+        records: RecordSource,
+        board: PlanBoard,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self.peer_id = rpc.peer_id
+        self._records = records
+        self._board = board
+        self._clock = clock
+        self.view = MembershipView(num_buckets=config.num_buckets)
+        self.tracker = EpochTracker(config.timing())
+        self.gossiper = Gossiper(
+            rpc,
+            self.view,
+            get_epoch=lambda: self.tracker.epoch,
+            on_epoch=self._heard_epoch,
+            on_news=self._heard_news,
+            fanout=config.fanout,
+            call_timeout_s=config.call_timeout_s,
+            rng=rng,
+        )
+        self.active_plan: Plan | None = None
+        self._proposal: Plan | None = None
+        self._excluded_until: dict[str, float] = {}
+        self._refresh_wanted = False
+        self._published_at = -1e18
+        self._listeners: list[Callable[[Plan], None]] = []
+        self.plan_changed = asyncio.Event()
+        self.num_rounds = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.tracker.epoch
+
+    @property
+    def phase(self) -> Phase:
+        return self.tracker.phase
+
+    def add_listener(self, callback: Callable[[Plan], None]) -> None:
+        """Call ``callback(plan)`` each time a new plan becomes active."""
+        self._listeners.append(callback)
+
+    def position(self) -> tuple[int, int | None, int | None]:
+        """(epoch, cluster, stage) of this peer in the active plan, for its `PeerRecord`."""
+        cluster, stage = plan_position(self.active_plan, self.peer_id)
+        epoch = self.active_plan.epoch if self.active_plan is not None else 0
+        return epoch, cluster, stage
+
+    def _heard_epoch(self, epoch: int) -> None:
+        if self.tracker.open_epoch(epoch):
+            logger.debug("moved to epoch %d heard from a peer", epoch)
+
+    def _heard_news(self, sender: str, items: list[SummaryItem]) -> None:
+        logger.debug("%d news items from %s: re-reading records", len(items), sender)
+        self._refresh_wanted = True
+
+    async def serve(self) -> None:
+        await self.gossiper.serve()
+
+    async def aclose(self) -> None:
+        await self.gossiper.unserve()
+
+    def _eligible(self, record: PeerRecord, now: float) -> bool:
+        if record.state not in (PeerState.READY, PeerState.TRAINING) or record.client_mode:
+            return False
+        return self._excluded_until.get(record.peer_id, -1.0) <= now
+
+    async def _observe(self, now: float) -> None:
+        if self._refresh_wanted:
+            self._refresh_wanted = False
+            try:
+                await asyncio.wait_for(self._records.refresh(), self.config.call_timeout_s)
+            except (TimeoutError, OSError) as exc:
+                logger.debug("record refresh failed: %r", exc)
+        snapshot = {
+            pid: (rec.updated_at, record_capacity(rec))
+            for pid, rec in self._records.peers.items()
+            if self._eligible(rec, now)
+        }
+        self.view.observe(snapshot)
+
+    async def step(self) -> None:
+        """One round: observe, gossip, decide, act."""
+        now = self._clock()
+        self.num_rounds += 1
+        await self._observe(now)
+        candidates = sorted(self.view.live_ids() - {self.peer_id})
+        if candidates:
+            await self.gossiper.gossip_round(candidates)
+        action = self.tracker.tick(now, self.view.digest(), self.view.live_ids())
+        if action == Action.NEW_EPOCH:
+            logger.info("membership changed: opening epoch %d", self.tracker.epoch)
+        elif action == Action.PROPOSE:
+            await self._propose(now)
+        elif action == Action.TIMEOUT:
+            await self._on_timeout(now)
+        if self.tracker.phase == Phase.PROPOSED:
+            await self._check_agreement()
+        elif self.tracker.phase == Phase.ACTIVE and now - self._published_at > self.config.plan_ttl_s / 3:
+            await self._publish(now)
+
+    def compute_plan(self) -> Plan:
+        """The plan of the current view and epoch (live peers sorted by id; pure)."""
+        peers = [cap.to_peer_capacity(pid) for pid, cap in self.view.live().items()]
+        return make_plan(peers, self.config.layers, self.config.job, epoch=self.tracker.epoch)
+
+    async def _publish(self, now: float) -> None:
+        assert self._proposal is not None
+        digest = self._proposal.digest()
+        try:
+            await asyncio.wait_for(
+                self._board.publish(self.tracker.epoch, digest, ttl_s=self.config.plan_ttl_s),
+                self.config.call_timeout_s,
+            )
+            self._published_at = now
+        except (TimeoutError, OSError) as exc:
+            logger.warning("could not publish the plan digest: %r", exc)
+
+    async def _propose(self, now: float) -> None:
+        try:
+            plan = self.compute_plan()
+        except ValueError as exc:
+            logger.warning("cannot plan epoch %d: %s", self.tracker.epoch, exc)
+            return
+        if self.peer_id not in _plan_members(plan):
+            return  # we are not in our own view yet (record not announced): wait
+        self._proposal = plan
+        self.tracker.proposed(now, _plan_members(plan))
+        await self._publish(now)
+        logger.debug("proposed plan %s for epoch %d", plan.digest()[:12], plan.epoch)
+
+    async def _read_board(self) -> dict[str, str] | None:
+        try:
+            return await asyncio.wait_for(self._board.read(self.tracker.epoch), self.config.call_timeout_s)
+        except (TimeoutError, OSError) as exc:
+            logger.debug("could not read the plan board: %r", exc)
+            return None
+
+    async def _check_agreement(self) -> None:
+        published = await self._read_board()
+        if published is None or self._proposal is None:
+            return
+        digest = self._proposal.digest()
+        if all(published.get(pid) == digest for pid in self.tracker.members):
+            self.tracker.activated()
+            self.active_plan = self._proposal
+            logger.info(
+                "plan %s active for epoch %d: %d clusters, %d spares",
+                digest[:12],
+                self._proposal.epoch,
+                len(self._proposal.clusters),
+                len(self._proposal.spare_peer_ids),
+            )
+            self.plan_changed.set()
+            self.plan_changed = asyncio.Event()
+            for callback in self._listeners:
+                callback(self._proposal)
+        elif any(published.get(pid, digest) != digest for pid in self.tracker.members):
+            self._refresh_wanted = True  # someone sees another view: re-read the records
+
+    async def _on_timeout(self, now: float) -> None:
+        published = await self._read_board() or {}
+        silent = self.tracker.members - set(published) - {self.peer_id}
+        if silent:
+            logger.info("dropping %d members silent on epoch %d", len(silent), self.tracker.epoch)
+            for pid in silent:
+                self._excluded_until[pid] = now + self.config.exclude_for_s
+            self.tracker.open_epoch(self.tracker.epoch + 1)
+        else:
+            self.tracker.retry(now)
+
+    async def run(self) -> None:
+        """Step every ``gossip_period_s`` until cancelled; a failed round is logged, not fatal."""
+        while True:
+            started = self._clock()
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a peer boundary: keep the loop alive, say why
+                logger.warning("membership round failed: %r", exc, exc_info=True)
+            await asyncio.sleep(max(0.0, self.config.gossip_period_s - (self._clock() - started)))

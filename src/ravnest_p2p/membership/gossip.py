@@ -1,0 +1,213 @@
+"""Push-pull anti-entropy of membership views over typed RPC (`gossip_view`).
+
+Each period a peer contacts a small random fanout. One contact is at most two calls:
+
+1. *pull*: we send our epoch, view digest and per-bucket digests (``16 x num_buckets`` bytes). Equal
+   digests: the reply is a few bytes and we are done. Otherwise the peer answers with which buckets
+   differ and its summary items (peer id, version, content digest) in those buckets only.
+2. *push*: we send back our items the peer lacks or holds older, for the same buckets.
+
+What is trusted. Gossip carries *summaries*, never records: a summary is a claim by the sender (whose
+peer id libp2p authenticates) about somebody else, so it is only news. The receiver decides what to do
+with news through ``on_news``: the service treats it as a hint to re-read the signed records from the
+DHT at once (and adopts only what validates there, exactly as the directory does); the simulator and
+tests may merge it directly, standing in for a signed-record fetch. We rejected carrying the raw signed
+DHT values: re-verifying them needs hivemind's validator outside the discovery adapter and they cost
+~0.5 KB per entry, while the DHT already serves each record to whoever asks.
+
+Epoch numbers ride along (max wins, see `epochs`). Every call has a deadline; a malformed request
+(bad field, wrong bucket count, items outside the buckets they claim) gets an error reply and changes
+nothing. Gossip about a peer we cannot reach is logged at DEBUG and forgotten until the next round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable, Sequence
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from ravnest_p2p.errors import InvalidMessage, TransportError
+from ravnest_p2p.membership.view import MembershipView, SummaryItem, bucket_of
+from ravnest_p2p.transport import CallContext, RpcEndpoint, RpcMethod
+
+__all__ = ["GOSSIP_VIEW", "GossipItem", "GossipReply", "GossipRequest", "Gossiper"]
+
+logger = logging.getLogger(__name__)
+
+MAX_BUCKETS = 4096
+MAX_ITEMS = 20_000
+_Hex16 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
+_Hex64 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+_PeerId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
+
+
+class GossipItem(_Msg):
+    peer_id: _PeerId
+    version: float = Field(ge=0, le=1e12)
+    digest: Annotated[str, StringConstraints(pattern=r"^([0-9a-f]{16})?$")]
+
+    def to_summary(self) -> SummaryItem:
+        return SummaryItem(self.peer_id, self.version, self.digest)
+
+    @classmethod
+    def of(cls, item: SummaryItem) -> GossipItem:
+        return cls(peer_id=item.peer_id, version=item.version, digest=item.digest)
+
+
+class GossipRequest(_Msg):
+    epoch: int = Field(ge=0, le=2**62)
+    view_digest: _Hex64
+    bucket_digests: tuple[_Hex16, ...] = Field(max_length=MAX_BUCKETS)
+    push_buckets: tuple[int, ...] = Field(default=(), max_length=MAX_BUCKETS)
+    push: tuple[GossipItem, ...] = Field(default=(), max_length=MAX_ITEMS)
+
+
+class GossipReply(_Msg):
+    epoch: int = Field(ge=0, le=2**62)
+    view_digest: _Hex64
+    differing: tuple[int, ...] = Field(default=(), max_length=MAX_BUCKETS)
+    entries: tuple[GossipItem, ...] = Field(default=(), max_length=MAX_ITEMS)
+
+
+GOSSIP_VIEW = RpcMethod(
+    "gossip_view",
+    GossipRequest,
+    GossipReply,
+    max_request_bytes=2 << 20,
+    max_response_bytes=2 << 20,
+    max_tensors=0,
+    handler_timeout_s=5.0,
+)
+
+NewsHandler = Callable[[str, list[SummaryItem]], None]
+
+
+def _check_items(items: Sequence[GossipItem], buckets: Sequence[int], num_buckets: int) -> None:
+    if any(not 0 <= b < num_buckets for b in buckets):
+        raise InvalidMessage("bucket index out of range")
+    allowed = set(buckets)
+    if any(bucket_of(item.peer_id, num_buckets) not in allowed for item in items):
+        raise InvalidMessage("item outside the buckets it claims")
+    if len({item.peer_id for item in items}) != len(items):
+        raise InvalidMessage("duplicate peer ids")
+
+
+class Gossiper:
+    """Runs the `gossip_view` protocol for one view.
+
+    Args:
+        rpc: our endpoint.
+        view: the view we describe (read-only here; ``on_news`` decides what changes it).
+        get_epoch: our current epoch.
+        on_epoch: called with a higher epoch heard from a peer.
+        on_news: called with ``(sender, items)`` when a peer told us something newer than our view.
+        fanout: peers contacted per round.
+        call_timeout_s: deadline of each call.
+    """
+
+    def __init__(
+        self,
+        rpc: RpcEndpoint,
+        view: MembershipView,
+        *,
+        get_epoch: Callable[[], int],
+        on_epoch: Callable[[int], None],
+        on_news: NewsHandler,
+        fanout: int = 3,
+        call_timeout_s: float = 2.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.rpc = rpc
+        self.view = view
+        self._get_epoch = get_epoch
+        self._on_epoch = on_epoch
+        self._on_news = on_news
+        self.fanout = fanout
+        self.call_timeout_s = call_timeout_s
+        self._rng = rng or random.Random()
+        self.bytes_sent = 0
+        self.num_contacts = 0
+        self.num_failures = 0
+
+    async def serve(self) -> None:
+        await self.rpc.serve(GOSSIP_VIEW, self._handle)
+
+    async def unserve(self) -> None:
+        await self.rpc.unserve(GOSSIP_VIEW)
+
+    def _hear(self, sender: str, epoch: int, items: Sequence[GossipItem]) -> None:
+        if epoch > self._get_epoch():
+            self._on_epoch(epoch)
+        news = [i.to_summary() for i in items if self.view.is_news(i.to_summary())]
+        if news:
+            self._on_news(sender, news)
+
+    async def _handle(self, request: GossipRequest, tensors: object, ctx: CallContext) -> GossipReply:
+        num_buckets = self.view.num_buckets
+        if len(request.bucket_digests) != num_buckets:
+            raise InvalidMessage(f"{len(request.bucket_digests)} bucket digests, expected {num_buckets}")
+        _check_items(request.push, request.push_buckets, num_buckets)
+        self._hear(ctx.remote_peer_id, request.epoch, request.push)
+        reply_epoch, digest = self._get_epoch(), self.view.digest()
+        if request.push_buckets or request.view_digest == digest:
+            return GossipReply(epoch=reply_epoch, view_digest=digest)
+        differing = self.view.differing_buckets(request.bucket_digests)
+        entries = tuple(GossipItem.of(i) for i in self.view.summary(differing))
+        return GossipReply(epoch=reply_epoch, view_digest=digest, differing=tuple(differing), entries=entries)
+
+    def _request(self, push_buckets: Sequence[int] = (), push: Sequence[SummaryItem] = ()) -> GossipRequest:
+        return GossipRequest(
+            epoch=self._get_epoch(),
+            view_digest=self.view.digest(),
+            bucket_digests=tuple(self.view.bucket_digests()),
+            push_buckets=tuple(push_buckets),
+            push=tuple(GossipItem.of(i) for i in push),
+        )
+
+    async def exchange(self, peer_id: str) -> bool:
+        """One push-pull contact; True if the views' digests were already equal."""
+        request = self._request()
+        self.bytes_sent += len(request.model_dump_json())
+        reply = (await self.rpc.call(peer_id, GOSSIP_VIEW, request, timeout_s=self.call_timeout_s)).message
+        self.num_contacts += 1
+        if reply.view_digest == request.view_digest and not reply.differing:
+            if reply.epoch > self._get_epoch():
+                self._on_epoch(reply.epoch)
+            return True
+        try:
+            _check_items(reply.entries, reply.differing, self.view.num_buckets)
+        except InvalidMessage as exc:
+            raise TransportError(f"malformed gossip reply from {peer_id}: {exc}") from None
+        remote = [i.to_summary() for i in reply.entries]
+        they_need, _ = self.view.diff(remote, reply.differing)
+        self._hear(peer_id, reply.epoch, reply.entries)
+        if they_need or reply.epoch < self._get_epoch():
+            push = self._request(reply.differing, they_need)
+            self.bytes_sent += len(push.model_dump_json())
+            await self.rpc.call(peer_id, GOSSIP_VIEW, push, timeout_s=self.call_timeout_s)
+        return False
+
+    async def gossip_round(self, candidates: Sequence[str]) -> int:
+        """Contact up to ``fanout`` random ``candidates`` concurrently; returns how many answered."""
+        chosen = self._rng.sample(list(candidates), min(self.fanout, len(candidates)))
+        results = await asyncio.gather(*(self.exchange(pid) for pid in chosen), return_exceptions=True)
+        answered = 0
+        for pid, result in zip(chosen, results, strict=True):
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, TransportError):
+                self.num_failures += 1
+                logger.debug("gossip with %s failed: %s", pid, result)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                answered += 1
+        return answered
