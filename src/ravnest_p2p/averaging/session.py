@@ -1,0 +1,218 @@
+"""One member's state for one ring in one round: chunk arithmetic, the accumulator, message checks.
+
+Ring all-reduce (Patarasuk & Yuan 2009) over C members: the shard's flat vector is cut into C chunks.
+Reduce-scatter, steps t = 0..C-2: member i sends chunk (i - t) mod C to its right neighbour and adds the
+chunk (i - t - 1) mod C it receives from its left one; after C-1 steps member i holds the full sum of
+chunk (i + 1) mod C. All-gather, steps g = 0..C-2 (t = C-1+g): member i forwards chunk (i + 1 - g) mod C
+and stores the chunk (i - g) mod C it receives. Each member sends and receives 2(C-1)/C of the shard,
+which is optimal for a bandwidth-bound all-reduce.
+
+Chunks are further cut into parts of a fixed size; part p of step t can be sent as soon as part p of
+step t-1 arrived, so parts of consecutive steps overlap (pipelining) and no member waits for a whole
+chunk. Within an attempt, arrivals never depend on order: reduce arrivals touch a chunk nobody reads
+until the next step, gather arrivals one already sent.
+
+Everything a message claims is checked against this session (epoch, attempt, membership digest, that
+the sender is the left neighbour, step, chunk, part, dtype, shape, finite values, duplicates) before
+the accumulator is touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Sequence
+from enum import StrEnum
+
+import torch
+
+from ravnest_p2p.averaging.messages import PartMessage
+from ravnest_p2p.errors import InvalidMessage, StaleEpoch
+from ravnest_p2p.transport import Compression
+
+__all__ = ["Phase", "RingRefused", "RingSession", "members_digest", "wire_bytes"]
+
+_BYTES_PER_ELEMENT = {
+    Compression.NONE: 4,
+    Compression.FP16: 2,
+    Compression.MEANSTD16: 2,
+    Compression.UNIFORM8BIT: 1,
+    Compression.QUANTILE8BIT: 1,
+}
+
+
+def wire_bytes(numel: int, compression: Compression) -> int:
+    """Payload bytes of `numel` fp32 elements under `compression` (headers excluded)."""
+    return numel * _BYTES_PER_ELEMENT[compression]
+
+
+def members_digest(members: Sequence[str]) -> str:
+    return hashlib.sha256("\x1f".join(members).encode()).hexdigest()[:16]
+
+
+class Phase(StrEnum):
+    REDUCE = "reduce"
+    GATHER = "gather"
+
+
+class RingRefused(InvalidMessage):
+    """A ring message does not match the receiver's session; the reply carries `code`."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RingSession:
+    """State of one ring at one member for one round (across its attempts).
+
+    Args:
+        ring_id: the shard's ring id.
+        epoch: plan epoch.
+        round_index: averaging round.
+        me: this member's peer id.
+        local: this member's flat fp32 values of the shard (never modified).
+        part_numel: elements per part.
+    """
+
+    def __init__(
+        self, *, ring_id: str, epoch: int, round_index: int, me: str, local: torch.Tensor, part_numel: int
+    ) -> None:
+        assert part_numel > 0
+        self.ring_id = ring_id
+        self.epoch = epoch
+        self.round = round_index
+        self.me = me
+        self.local = local
+        self.part_numel = part_numel
+        self.attempt = -1
+        self.members: tuple[str, ...] = ()
+        self.digest = ""
+        self.running = False
+        self.done = False
+        self.acc = local
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._received: dict[tuple[int, int], asyncio.Future[bool]] = {}
+        self._bounds: list[int] = []
+
+    # ----- attempts ------------------------------------------------------------------------------
+    def start_attempt(self, attempt: int, members: Sequence[str]) -> None:
+        """Begin `attempt` among `members` (ring order) from the original local values."""
+        assert self.me in members
+        assert len(members) >= 2
+        self.attempt = attempt
+        self.members = tuple(members)
+        self.digest = members_digest(self.members)
+        n, c = self.local.numel(), len(self.members)
+        self._bounds = [k * n // c for k in range(c + 1)]
+        self.acc = self.local.clone()
+        loop = asyncio.get_running_loop()
+        self._received = {
+            (t, p): loop.create_future()
+            for t in range(self.num_steps)
+            for p in range(self.num_parts(self.recv_chunk(t)))
+        }
+        self.running = True
+
+    def stop_attempt(self) -> None:
+        """Abort the current attempt: every waiter wakes up with `False`."""
+        self.running = False
+        for fut in self._received.values():
+            if not fut.done():
+                fut.set_result(False)
+
+    def finish(self, *, done: bool) -> None:
+        self.stop_attempt()
+        self.done = done
+        self.acc = self.local = torch.empty(0)  # late messages are refused; free the memory
+
+    # ----- chunk arithmetic ----------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def position(self) -> int:
+        return self.members.index(self.me)
+
+    @property
+    def right(self) -> str:
+        return self.members[(self.position + 1) % self.size]
+
+    @property
+    def left(self) -> str:
+        return self.members[(self.position - 1) % self.size]
+
+    @property
+    def num_steps(self) -> int:
+        return 2 * (self.size - 1)
+
+    def phase(self, step: int) -> Phase:
+        return Phase.REDUCE if step < self.size - 1 else Phase.GATHER
+
+    def send_chunk(self, step: int) -> int:
+        i, c = self.position, self.size
+        return (i - step) % c if step < c - 1 else (i + 1 - (step - (c - 1))) % c
+
+    def recv_chunk(self, step: int) -> int:
+        i, c = self.position, self.size
+        return (i - step - 1) % c if step < c - 1 else (i - (step - (c - 1))) % c
+
+    def num_parts(self, chunk: int) -> int:
+        length = self._bounds[chunk + 1] - self._bounds[chunk]
+        return -(-length // self.part_numel)
+
+    def part_bounds(self, chunk: int, part: int) -> tuple[int, int]:
+        start = self._bounds[chunk] + part * self.part_numel
+        return start, min(start + self.part_numel, self._bounds[chunk + 1])
+
+    # ----- receiving -----------------------------------------------------------------------------
+    async def wait_received(self, step: int, part: int, timeout_s: float) -> bool:
+        """Wait until part `part` of step `step` arrived; False if the attempt stopped or time ran out."""
+        fut = self._received[(step, part)]
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        except TimeoutError:
+            return False
+
+    def accept(self, phase: Phase, msg: PartMessage, tensor: torch.Tensor, sender: str) -> None:
+        """Check one incoming part against this attempt, then add (reduce) or store (gather) it.
+
+        Raises:
+            RingRefused / StaleEpoch: the part does not belong here; nothing was changed.
+        """
+        step, chunk, part = msg.step, msg.chunk, msg.part
+        if msg.epoch != self.epoch:
+            raise StaleEpoch(f"{self.ring_id}: epoch {msg.epoch}, expected {self.epoch}")
+        if not self.running:
+            raise RingRefused("not_running", f"{self.ring_id}: attempt {self.attempt} is not running")
+        if msg.members_digest != self.digest:
+            raise RingRefused("membership_mismatch", f"{self.ring_id}: ring members differ")
+        if sender != self.left:
+            raise RingRefused("wrong_sender", f"{self.ring_id}: {sender} is not the left neighbour")
+        if not 0 <= step < self.num_steps or phase != self.phase(step):
+            raise RingRefused("wrong_step", f"{self.ring_id}: step {step} is not a {phase} step")
+        if chunk != self.recv_chunk(step):
+            raise RingRefused("wrong_chunk", f"{self.ring_id}: chunk {chunk} at step {step}")
+        fut = self._received.get((step, part))
+        if fut is None:
+            raise RingRefused("wrong_part", f"{self.ring_id}: no part {part} in chunk {chunk}")
+        if fut.done():
+            raise RingRefused("duplicate", f"{self.ring_id}: part {part} of step {step} already arrived")
+        lo, hi = self.part_bounds(chunk, part)
+        if tensor.dtype != torch.float32 or tuple(tensor.shape) != (hi - lo,):
+            raise RingRefused(
+                "wrong_shape", f"{self.ring_id}: got {tensor.dtype} {tuple(tensor.shape)}, want ({hi - lo},)"
+            )
+        if not bool(torch.isfinite(tensor).all()):
+            raise RingRefused("non_finite", f"{self.ring_id}: non-finite values")
+        if phase is Phase.REDUCE:
+            self.acc[lo:hi] += tensor
+        else:
+            self.acc[lo:hi] = tensor
+        fut.set_result(True)
+
+    def average(self) -> torch.Tensor:
+        """The mean over this attempt's members (after a completed attempt)."""
+        return self.acc / self.size
