@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 
 import pytest
 import torch
@@ -12,56 +10,11 @@ import torch
 from ravnest_p2p.errors import RemoteError
 from ravnest_p2p.runtime.messages import BACKWARD, FORWARD, BackwardRequest, ForwardRequest
 from ravnest_p2p.runtime.optim import OptimizerConfig
-from ravnest_p2p.runtime.service import PipelineConfig, StageService
 from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.local import local_hosts, local_pipeline
 from ravnest_p2p.training.stages import build_stage, load_dataset, num_layers, train_batches
-from ravnest_p2p.transport import HostConfig, P2PTransport, RpcEndpoint, load_or_create_identity
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@contextlib.asynccontextmanager
-async def hosts(n: int):
-    transports = [await P2PTransport.create(HostConfig(), load_or_create_identity(None)) for _ in range(n)]
-    try:
-        maddrs = {t.peer_id: await t.visible_maddrs() for t in transports}
-        for t in transports:
-            for pid, addrs in maddrs.items():
-                if pid != t.peer_id:
-                    t.add_addresses(pid, addrs)
-        yield transports
-    finally:
-        await asyncio.gather(*(t.aclose() for t in transports))
-
-
-def split(total: int, num_stages: int) -> list[tuple[int, int]]:
-    bounds = [round(i * total / num_stages) for i in range(num_stages + 1)]
-    return list(itertools.pairwise(bounds))
-
-
-@contextlib.asynccontextmanager
-async def pipeline(job: JobSpec, transports, *, max_in_flight: int, epoch: int = 1):
-    peers = [t.peer_id for t in transports]
-    services = []
-    for index, (t, (first, end)) in enumerate(
-        zip(transports, split(num_layers(job), len(transports)), strict=True)
-    ):
-        executor = build_stage(job, first, end, max_in_flight=max_in_flight)
-        service = StageService(
-            RpcEndpoint(t, "pipe"),
-            executor,
-            epoch=epoch,
-            cluster_peers=peers,
-            stage_index=index,
-            config=PipelineConfig(max_in_flight=max_in_flight, micro_batch_timeout_s=60),
-        )
-        await service.start()
-        services.append(service)
-    try:
-        yield services
-    finally:
-        for service in services:
-            await service.aclose()
 
 
 JOB = JobSpec(
@@ -79,7 +32,7 @@ async def test_three_stage_pipeline_with_one_in_flight_equals_single_process_tra
     single = build_stage(JOB, 0, num_layers(JOB), max_in_flight=1)
     for mb, (x, y) in enumerate(train_batches(JOB, train, cluster_index=0, num_clusters=1)):
         single.forward_loss(mb, x, y)
-    async with hosts(3) as transports, pipeline(JOB, transports, max_in_flight=1) as services:
+    async with local_hosts(3) as transports, local_pipeline(JOB, transports, max_in_flight=1) as services:
         stats = await services[0].train(train_batches(JOB, train, cluster_index=0, num_clusters=1))
         assert stats.completed == 12
         distributed = {}
@@ -97,7 +50,7 @@ async def test_three_stage_pipeline_with_one_in_flight_equals_single_process_tra
 async def test_async_pipeline_learns_digits_and_evaluates():
     job = JOB.model_copy(update={"max_steps": None, "num_epochs": 3, "batch_size": 32})
     train, test = load_dataset(job)
-    async with hosts(3) as transports, pipeline(job, transports, max_in_flight=3) as services:
+    async with local_hosts(3) as transports, local_pipeline(job, transports, max_in_flight=3) as services:
         first = services[0]
         await first.train(train_batches(job, train, cluster_index=0, num_clusters=1))
         loss, accuracy = await first.evaluate([(test.inputs, test.labels)])
@@ -112,7 +65,7 @@ async def test_async_pipeline_learns_digits_and_evaluates():
 
 async def test_bad_messages_are_refused_and_change_no_state():
     train, _ = load_dataset(JOB)
-    async with hosts(3) as transports, pipeline(JOB, transports, max_in_flight=2) as services:
+    async with local_hosts(3) as transports, local_pipeline(JOB, transports, max_in_flight=2) as services:
         x, y = next(iter(train_batches(JOB, train, cluster_index=0, num_clusters=1)))
         middle = services[1]
         before = {n: p.detach().clone() for n, p in middle.executor.parameters_by_name().items()}
