@@ -13,10 +13,11 @@ do at full speed. Three mechanisms, best first; `detect_backend` picks the first
    driver releases it, so it never runs free. Approximate (signal latency, stops mid-syscall, no
    memory cap) — the fallback when cgroups are not writable, e.g. unprivileged containers.
 
-The two kinds differ under load. A cgroup quota is absolute: ``base_cpus / k`` CPUs, which the group
-gets even when other processes load the host (as long as that much is spare), so a slow peer is as slow
-as specified and a loaded host only hurts the fast peers. The duty cycle is relative: 1/k of whatever
-CPU the process would get anyway.
+The two kinds differ under load. A cgroup quota is absolute: at most ``base_cpus / k`` CPUs. A quota is
+only a cap, so the group also gets 8x the default CPU weight: when other processes load the host it
+still wins its full quota, so a slow peer is as slow as specified (not slower) and the load falls on the
+unthrottled, fast peers. The duty cycle is relative: 1/k of whatever CPU the process would get anyway,
+so its ratio to an unthrottled run drifts with the host's load.
 
 The CPU cap is ``base_cpus / k`` CPUs, where ``base_cpus`` is how many CPUs the peer uses at full speed —
 set it to the peer's compute thread count and start the peer with `thread_env` so the two agree (fewer
@@ -51,6 +52,10 @@ from types import TracebackType
 __all__ = ["ComputeThrottle", "ThrottleBackend", "detect_backend", "remove_groups", "thread_env"]
 
 _PERIOD_US = 100_000
+# 8x the default weight: see "under load" in the module docstring. Harmless to others: the quota caps
+# what the weight can win.
+_SHARES_V1 = 8 * 1024
+_WEIGHT_V2 = 8 * 100
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,48}$")
 
 
@@ -207,6 +212,7 @@ class ComputeThrottle:
                 raise RuntimeError("cgroup v2 cpu controller is not writable here")
             path = self._mkdir(parent / group)
             (path / "cpu.max").write_text(f"{self.quota_us} {_PERIOD_US}")
+            (path / "cpu.weight").write_text(str(_WEIGHT_V2))
             if mem_bytes is not None:
                 (path / "memory.max").write_text(mem_bytes)
         elif self.backend is ThrottleBackend.CGROUP1:
@@ -216,6 +222,7 @@ class ComputeThrottle:
             path = self._mkdir(cpu_parent / group)
             (path / "cpu.cfs_period_us").write_text(str(_PERIOD_US))
             (path / "cpu.cfs_quota_us").write_text(str(self.quota_us))
+            (path / "cpu.shares").write_text(str(_SHARES_V1))
             mem_parent = _v1_parent("memory")
             if mem_bytes is not None and mem_parent is not None:
                 (self._mkdir(mem_parent / group) / "memory.limit_in_bytes").write_text(mem_bytes)

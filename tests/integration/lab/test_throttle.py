@@ -15,6 +15,7 @@ from __future__ import annotations
 import secrets
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -61,17 +62,9 @@ def _name() -> str:
     return "rvt" + secrets.token_hex(3)
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        None,
-        ThrottleBackend.SIGSTOP,
-    ],
-    ids=["detected", "sigstop"],
-)
-def test_cpu_slowdown_ratio(backend: ThrottleBackend | None) -> None:
-    if backend is ThrottleBackend.SIGSTOP and detect_backend() is ThrottleBackend.SIGSTOP:
-        pytest.skip("sigstop is already the detected backend")
+def test_cpu_slowdown_ratio() -> None:
+    """The mechanism the lab uses on this host (see `test_sigstop_driver_stops_and_releases` too)."""
+    backend = None
     slowdowns = (2.0, 4.0)
     baselines = [_work(None)]
     throttled = []
@@ -83,6 +76,44 @@ def test_cpu_slowdown_ratio(backend: ThrottleBackend | None) -> None:
     for (count, _), slowdown in zip(throttled, slowdowns, strict=True):
         ratio = full / count
         assert ratio == pytest.approx(slowdown, rel=TOLERANCE), (slowdown, ratio, baselines, throttled)
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _wait_for_state(pid: int, wanted: set[str], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _state(pid) in wanted:
+            return True
+        time.sleep(0.002)  # polling interval, bounded by the deadline
+    return False
+
+
+def test_sigstop_driver_stops_and_releases() -> None:
+    """The fallback's mechanics, independent of host load.
+
+    Its work ratio is not asserted here: the duty cycle is relative to the CPU the process would get
+    anyway, so on this shared 2-core host other load moves it past ±20% (quiet host: 1.98-2.00 for
+    k = 2, 3.82-3.99 for k = 4; under load 2-3: 2.4-3.1 and 3.2-5.3).
+    """
+    spin = [sys.executable, "-c", "while True: pass"]
+    with ComputeThrottle(name=_name(), slowdown=4.0, backend=ThrottleBackend.SIGSTOP) as throttle:
+        proc = subprocess.Popen(throttle.wrap_argv(spin), start_new_session=True)
+        try:
+            assert _wait_for_state(proc.pid, {"T"}, 5.0)  # starts stopped
+            throttle.attach(proc.pid)
+            assert _wait_for_state(proc.pid, {"R", "S"}, 5.0)  # released by the driver ...
+            assert _wait_for_state(proc.pid, {"T"}, 5.0)  # ... and stopped again on the cycle
+            throttle.close()
+            assert _wait_for_state(proc.pid, {"R", "S"}, 5.0)  # left running after close
+            time.sleep(0.3)  # two would-be duty cycles: check nobody stops it any more
+            assert _state(proc.pid) in {"R", "S"}
+        finally:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 @pytest.mark.skipif(detect_backend() is ThrottleBackend.SIGSTOP, reason="memory caps need writable cgroups")
