@@ -1,1 +1,28 @@
-__all__: list[str] = []
+"""Multi-ring all-reduce across clusters: shard map, rings, delayed (overlapped) averaging."""
+
+from ravnest_p2p.averaging.overlap import Averager, AveragerConfig, delayed_average
+from ravnest_p2p.averaging.ring import RingAllReduce, RingConfig, RingMetrics, RoundMetrics
+from ravnest_p2p.averaging.shards import (
+    Shard,
+    ShardMap,
+    StageEntries,
+    build_shard_map,
+    floating_entries,
+    layer_order_key,
+)
+
+__all__ = [
+    "Averager",
+    "AveragerConfig",
+    "RingAllReduce",
+    "RingConfig",
+    "RingMetrics",
+    "RoundMetrics",
+    "Shard",
+    "ShardMap",
+    "StageEntries",
+    "build_shard_map",
+    "delayed_average",
+    "floating_entries",
+    "layer_order_key",
+]
