@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ravnest_p2p.lab.throttle import (
         ComputeThrottle,
         ThrottleBackend,
+        base_cpus_to_fit,
         detect_backend,
         remove_groups,
         thread_env,
@@ -40,6 +41,7 @@ __all__ = [
     "ThrottleBackend",
     "TransferResult",
     "WorkloadProfile",
+    "base_cpus_to_fit",
     "detect_backend",
     "lab_address",
     "load_profile",
@@ -59,7 +61,15 @@ _MODULE_OF = {
     ),
     **dict.fromkeys(["TransferResult", "receive_once", "send_bytes"], "rawtransfer"),
     **dict.fromkeys(
-        ["ComputeThrottle", "ThrottleBackend", "detect_backend", "remove_groups", "thread_env"], "throttle"
+        [
+            "ComputeThrottle",
+            "ThrottleBackend",
+            "base_cpus_to_fit",
+            "detect_backend",
+            "remove_groups",
+            "thread_env",
+        ],
+        "throttle",
     ),
 }
 assert set(_MODULE_OF) == set(__all__)

@@ -45,14 +45,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-import signal
 import subprocess
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ravnest_p2p.lab._procs import entering_pids, kill_groups, run
 from ravnest_p2p.lab.profiles import PeerProfile, ShapingMode, SwarmProfile
 from ravnest_p2p.lab.throttle import ComputeThrottle, ThrottleBackend, remove_groups
 
@@ -65,7 +64,6 @@ _MAX_PEERS = 9999  # keeps "<prefix>p<i>" within the 15-character interface-name
 _GSO_BYTES = 64 * 1024
 _UNSHAPED_MBPS = 10_000.0  # parent rate when only per-destination caps exist
 _BRIDGE = "br0"
-_KILL_TIMEOUT_S = 5.0
 
 
 def lab_address(peer_index: int) -> str:
@@ -79,14 +77,6 @@ def lab_address(peer_index: int) -> str:
     return f"198.18.{peer_index // 250}.{peer_index % 250 + 1}"
 
 
-def _run(argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
-    logger.debug("lab: %s", " ".join(argv))
-    result = subprocess.run(list(argv), capture_output=True, text=True, check=False)
-    if check and result.returncode != 0:
-        raise RuntimeError(f"command failed ({result.returncode}): {' '.join(argv)}: {result.stderr.strip()}")
-    return result
-
-
 def _rate(mbps: float) -> str:
     return f"{round(mbps * 1000)}kbit"
 
@@ -98,7 +88,7 @@ def _burst_bytes(mbps: float) -> int:
 
 
 def _htb_root(ns: str, dev: str) -> None:
-    _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"])
+    run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"])
 
 
 def _htb_class(ns: str, dev: str, parent: str, classid: str, mbps: float) -> None:
@@ -106,7 +96,7 @@ def _htb_class(ns: str, dev: str, parent: str, classid: str, mbps: float) -> Non
     # deriving (and warning about) a huge one from the rate; 64 KiB fits a GSO packet.
     burst = str(_burst_bytes(mbps))
     shape = ["rate", _rate(mbps), "ceil", _rate(mbps), "burst", burst, "cburst", burst, "quantum", "65536"]
-    _run(["tc", "-n", ns, "class", "add", "dev", dev, "parent", parent, "classid", classid, "htb", *shape])
+    run(["tc", "-n", ns, "class", "add", "dev", dev, "parent", parent, "classid", classid, "htb", *shape])
 
 
 def _check_prefix(prefix: str) -> None:
@@ -116,87 +106,20 @@ def _check_prefix(prefix: str) -> None:
 
 def _prefix_namespaces(prefix: str) -> list[str]:
     own = re.compile(rf"^{re.escape(prefix)}-(br|\d+)$")
-    out = _run(["ip", "netns", "list"]).stdout
+    out = run(["ip", "netns", "list"]).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip() and own.match(line.split()[0])]
 
 
 def _prefix_root_links(prefix: str) -> list[str]:
     own = re.compile(rf"^{re.escape(prefix)}[pb]\d+$")
     names = []
-    for line in _run(["ip", "-o", "link"]).stdout.splitlines():
+    for line in run(["ip", "-o", "link"]).stdout.splitlines():
         fields = line.split(":", 2)
         if len(fields) >= 2:
             name = fields[1].strip().split("@")[0]
             if own.match(name):
                 names.append(name)
     return names
-
-
-def _wait_gone(pids: Sequence[int], timeout_s: float) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if _alive(p)]
-        if alive:
-            time.sleep(0.02)  # polling interval, bounded by the deadline above
-    return alive
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except OSError:
-        return False
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def _entering_pids(namespaces: Sequence[str]) -> list[int]:
-    """Pids still running ``ip netns exec <ns>`` for one of ``namespaces``: started, not yet inside.
-
-    ``ip netns pids`` cannot see them, yet they would enter the namespace (keeping it alive, nameless)
-    right after we delete it.
-    """
-    wanted = set(namespaces)
-    pids = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        for i in range(1, len(argv) - 2):  # also behind a wrapper such as the throttle's `sh -c`
-            if argv[i : i + 2] == [b"netns", b"exec"] and argv[i + 2].decode(errors="replace") in wanted:
-                pids.append(int(entry.name))
-                break
-    return pids
-
-
-def _kill(pids: list[int], prefix: str) -> None:
-    """SIGTERM the pids' process groups, SIGKILL what is left after a deadline."""
-    for pid in pids:
-        _signal_group(pid, signal.SIGTERM)
-    stubborn = _wait_gone(pids, _KILL_TIMEOUT_S)
-    for pid in stubborn:
-        _signal_group(pid, signal.SIGKILL)
-    still = _wait_gone(stubborn, _KILL_TIMEOUT_S)
-    if still:
-        logger.warning("lab %s: processes survived SIGKILL: %s", prefix, still)
 
 
 def remove_leftovers(prefix: str, extra_pids: Sequence[int] = ()) -> None:
@@ -208,20 +131,20 @@ def remove_leftovers(prefix: str, extra_pids: Sequence[int] = ()) -> None:
     """
     _check_prefix(prefix)
     namespaces = _prefix_namespaces(prefix)
-    _kill(list(extra_pids), prefix)
+    kill_groups(list(extra_pids), prefix)
     # A process moves from "entering" (running `ip netns exec`) to "inside" only, so scanning in that
     # order misses none that exist when the scan starts; repeat in case a dying process spawned more.
     for _ in range(5):
-        found = _entering_pids(namespaces)
+        found = entering_pids(namespaces)
         for ns in namespaces:
-            found += [int(p) for p in _run(["ip", "netns", "pids", ns], check=False).stdout.split()]
+            found += [int(p) for p in run(["ip", "netns", "pids", ns], check=False).stdout.split()]
         if not found:
             break
-        _kill(found, prefix)
+        kill_groups(found, prefix)
     for ns in namespaces:
-        _run(["ip", "netns", "delete", ns], check=False)
+        run(["ip", "netns", "delete", ns], check=False)
     for link in _prefix_root_links(prefix):
-        _run(["ip", "link", "delete", link], check=False)
+        run(["ip", "link", "delete", link], check=False)
     remove_groups(f"{prefix}-")  # throttles made by NetnsLab.throttle_for
 
 
@@ -290,21 +213,19 @@ class NetnsLab:
 
     def _build(self) -> None:
         br_ns = self.bridge_namespace
-        _run(["ip", "netns", "add", br_ns])
-        _run(["ip", "-n", br_ns, "link", "set", "lo", "up"])
-        _run(["ip", "-n", br_ns, "link", "add", _BRIDGE, "type", "bridge", "stp_state", "0"])
-        _run(["ip", "-n", br_ns, "link", "set", _BRIDGE, "up"])
+        run(["ip", "netns", "add", br_ns])
+        run(["ip", "-n", br_ns, "link", "set", "lo", "up"])
+        run(["ip", "-n", br_ns, "link", "add", _BRIDGE, "type", "bridge", "stp_state", "0"])
+        run(["ip", "-n", br_ns, "link", "set", _BRIDGE, "up"])
         for i, peer in enumerate(self.profile.peers):
             ns, inner, outer = self.namespace_of(i), self.interface_of(i), f"{self.prefix}b{i}"
-            _run(["ip", "netns", "add", ns])
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-            _run(
-                ["ip", "-n", ns, "link", "add", inner, "type", "veth", "peer", "name", outer, "netns", br_ns]
-            )
-            _run(["ip", "-n", ns, "addr", "add", f"{lab_address(i)}/15", "dev", inner])
-            _run(["ip", "-n", ns, "link", "set", inner, "up"])
-            _run(["ip", "-n", br_ns, "link", "set", outer, "master", _BRIDGE])
-            _run(["ip", "-n", br_ns, "link", "set", outer, "up"])
+            run(["ip", "netns", "add", ns])
+            run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            run(["ip", "-n", ns, "link", "add", inner, "type", "veth", "peer", "name", outer, "netns", br_ns])
+            run(["ip", "-n", ns, "addr", "add", f"{lab_address(i)}/15", "dev", inner])
+            run(["ip", "-n", ns, "link", "set", inner, "up"])
+            run(["ip", "-n", br_ns, "link", "set", outer, "master", _BRIDGE])
+            run(["ip", "-n", br_ns, "link", "set", outer, "up"])
             self._shape_upload(ns, inner, peer)
             if peer.download_mbps is not None:
                 self._shape_single(br_ns, outer, peer.download_mbps)
@@ -314,7 +235,7 @@ class NetnsLab:
         if self.profile.shaping is ShapingMode.TBF:
             burst = str(_burst_bytes(mbps))
             tbf = ["tbf", "rate", _rate(mbps), "burst", burst, "latency", "50ms"]
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf])
+            run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf])
             return
         _htb_root(ns, dev)
         _htb_class(ns, dev, "1:", "1:10", mbps)
@@ -334,27 +255,24 @@ class NetnsLab:
             classid = f"1:{100 + j:x}"
             _htb_class(ns, dev, "1:1", classid, min(mbps, total))
             match = ["u32", "match", "ip", "dst", f"{lab_address(j)}/32", "flowid", classid]
-            _run(["tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", *match])
+            run(["tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", *match])
 
-    def throttle_for(self, peer: int | str, *, base_cpus: float = 1.0) -> ComputeThrottle | None:
+    def throttle_for(self, peer: int | str, *, base_cpus: float) -> ComputeThrottle:
         """A (not yet created) `ComputeThrottle` for the peer's ``compute_slowdown`` and ``memory_gb``.
 
-        Named ``<prefix>-<index>`` so that `down` removes its cgroups even after a crash. None when the
-        profile asks for neither a slowdown nor a memory cap.
+        Named ``<prefix>-<index>`` so that `down` removes its cgroups even after a crash. Use it for
+        every peer, full-speed ones included, with ``base_cpus`` from `base_cpus_to_fit` (see
+        `ravnest_p2p.lab.throttle`).
 
         Args:
             peer: peer index or profile name.
-            base_cpus: CPUs (compute threads) the peer uses at full speed.
+            base_cpus: CPU share of a full-speed peer; this peer gets ``base_cpus / compute_slowdown``.
         """
         i = self._index(peer)
         spec = self.profile.peers[i]
-        if spec.compute_slowdown == 1.0 and spec.memory_gb is None:
-            return None
+        name = f"{self.prefix}-{i}"
         return ComputeThrottle(
-            name=f"{self.prefix}-{i}",
-            slowdown=spec.compute_slowdown,
-            base_cpus=base_cpus,
-            memory_gb=spec.memory_gb,
+            name=name, slowdown=spec.compute_slowdown, base_cpus=base_cpus, memory_gb=spec.memory_gb
         )
 
     def run_in_ns(

@@ -19,11 +19,14 @@ still wins its full quota, so a slow peer is as slow as specified (not slower) a
 unthrottled, fast peers. The duty cycle is relative: 1/k of whatever CPU the process would get anyway,
 so its ratio to an unthrottled run drifts with the host's load.
 
-The CPU cap is ``base_cpus / k`` CPUs, where ``base_cpus`` is how many CPUs the peer uses at full speed —
-set it to the peer's compute thread count and start the peer with `thread_env` so the two agree (fewer
-threads alone would not slow down a single-threaded loop; a quota alone would let a many-threaded peer
-burst). Groups are created under the calling process's own cgroup, named ``ravnest-<name>``, and are
-removed by `ComputeThrottle.close` (which first moves any survivor back to the parent).
+The CPU cap is ``base_cpus / k`` CPUs, where ``base_cpus`` is the CPU share of a full-speed peer. Start
+the peer with `thread_env` (e.g. 1 thread) so it cannot use much more than that anyway (fewer threads
+alone would not slow down a single-threaded loop; a quota alone would let a many-threaded peer burst).
+Throttle every peer of a swarm, full-speed ones too (k = 1), with ``base_cpus`` from `base_cpus_to_fit`:
+then all peers have the same weight and their quotas fit the host together, so the speed ratios
+between peers hold however many there are. Groups are created under the calling process's own cgroup,
+named ``ravnest-<name>``, and are removed by `ComputeThrottle.close` (which first moves any survivor
+back to the parent) or, after a crash, by `remove_groups`.
 
 Usage with the lab::
 
@@ -45,11 +48,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from enum import StrEnum
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["ComputeThrottle", "ThrottleBackend", "detect_backend", "remove_groups", "thread_env"]
+__all__ = [
+    "ComputeThrottle",
+    "ThrottleBackend",
+    "base_cpus_to_fit",
+    "detect_backend",
+    "remove_groups",
+    "thread_env",
+]
 
 _PERIOD_US = 100_000
 # 8x the default weight: see "under load" in the module docstring. Harmless to others: the quota caps
@@ -73,6 +84,21 @@ def thread_env(num_threads: int) -> dict[str, str]:
         raise ValueError(f"num_threads must be >= 1, got {num_threads}")
     n = str(num_threads)
     return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n}
+
+
+def base_cpus_to_fit(slowdowns: Sequence[float], *, num_cpus: float) -> float:
+    """The largest full-speed CPU share per peer such that every peer's quota fits the host at once.
+
+    Peer i gets ``base / k_i`` CPUs; the ratios between peers hold only while the sum fits in
+    ``num_cpus`` (beyond that, CFS splits the host evenly and a k = 4 peer runs as fast as a k = 1 one).
+    E.g. hetero8 on 2 CPUs: sum(1/k) = 2 + 3/1.5 + 3/3 = 5, so base = 0.4 CPU.
+
+    Raises:
+        ValueError: no peers, a slowdown below 1, or a non-positive CPU count.
+    """
+    if not slowdowns or min(slowdowns) < 1.0 or num_cpus <= 0:
+        raise ValueError(f"need slowdowns >= 1 and num_cpus > 0, got {list(slowdowns)}, {num_cpus}")
+    return num_cpus / sum(1.0 / k for k in slowdowns)
 
 
 def _mounts() -> list[tuple[str, str, set[str]]]:

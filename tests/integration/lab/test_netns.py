@@ -64,8 +64,7 @@ def test_down_after_simulated_crash_cleans_up() -> None:
     prefix = unique_prefix()
     crashed = NetnsLab(profile, prefix=prefix)
     crashed.up()
-    throttle = crashed.throttle_for("b")
-    assert throttle is not None
+    throttle = crashed.throttle_for("b", base_cpus=1.0)
     throttle.create()
     # Processes the crashed owner never reaps, in sessions of their own, as launched peers would be.
     orphans = [

@@ -7,7 +7,7 @@ import pytest
 import ravnest_p2p.lab as lab
 from ravnest_p2p.lab.netns import NetnsLab, lab_address
 from ravnest_p2p.lab.profiles import parse_profile
-from ravnest_p2p.lab.throttle import ComputeThrottle, ThrottleBackend, thread_env
+from ravnest_p2p.lab.throttle import ComputeThrottle, ThrottleBackend, base_cpus_to_fit, thread_env
 
 
 def _profile(num_peers: int = 2) -> lab.SwarmProfile:
@@ -24,6 +24,7 @@ def test_public_api_is_pinned() -> None:
         "ThrottleBackend",
         "TransferResult",
         "WorkloadProfile",
+        "base_cpus_to_fit",
         "detect_backend",
         "lab_address",
         "load_profile",
@@ -77,10 +78,19 @@ def test_throttle_for_follows_profile() -> None:
         {"run_id": "x", "peers": [{"name": "a"}, {"name": "b", "compute_slowdown": 2.5, "memory_gb": 3}]}
     )
     netlab = NetnsLab(profile, prefix="rvtq")
-    assert netlab.throttle_for("a") is None
+    assert netlab.throttle_for("a", base_cpus=0.5).quota_us == 50_000
     throttle = netlab.throttle_for("b", base_cpus=2)
-    assert throttle is not None
     assert (throttle.name, throttle.slowdown, throttle.base_cpus, throttle.memory_gb) == ("rvtq-1", 2.5, 2, 3)
+
+
+def test_base_cpus_to_fit() -> None:
+    hetero8 = [1.0] * 2 + [1.5] * 3 + [3.0] * 3
+    assert base_cpus_to_fit(hetero8, num_cpus=2) == pytest.approx(0.4)
+    assert base_cpus_to_fit([1.0], num_cpus=2) == 2
+    with pytest.raises(ValueError):
+        base_cpus_to_fit([], num_cpus=2)
+    with pytest.raises(ValueError):
+        base_cpus_to_fit([0.5], num_cpus=2)
 
 
 def test_throttle_quota_and_thread_env() -> None:
