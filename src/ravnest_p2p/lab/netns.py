@@ -25,13 +25,19 @@ Shaping (rates in Mbit/s = 10**6 bit/s):
   IP), and a default child class at the upload rate for everything else. With ``tbf``: one bucket.
 - download: egress of the bridge-side veth, i.e. traffic the bridge delivers to the peer. Shaping the
   far end's egress is the standard way to shape ingress without an ``ifb`` device.
-- TSO/GSO stay on (changing them needs ``ethtool``, which the project does not install). ``htb``
-  accounts a GSO super-packet by its full length, so long-run rates stay exact; we only size
+- Rates are wire rates (Ethernet frames). A bulk TCP transfer's payload therefore runs at
+  1448/1514 = 0.957 of the configured rate (headers of a 1500-byte MTU with TCP timestamps); measured
+  here, htb and tbf alike: 19.1/20, 47.9/50, 95.7/100, 191.4/200 Mbit/s, upload- or download-bound.
+- TSO/GSO stay on (changing them needs ``ethtool``, which the project does not install). Both qdiscs
+  account a GSO super-packet by its full length, so long-run rates stay exact (see above); we only size
   ``burst`` to hold one such packet (64 KiB) so the bucket never stalls on it.
 
 What the lab does NOT model: latency, jitter and loss. ``netem`` is not available in this kernel and no
-other qdisc delays packets; a userspace delaying proxy would distort throughput. Round-trip times in the
-scenarios are therefore documented in the profiles but not emulated. CPU and memory caps are separate
+other qdisc delays packets by itself; a userspace delaying proxy would distort throughput. A sound route
+exists but is not taken: an eBPF ``tc`` program stamping ``skb->tstamp = now + delay`` in front of the
+``fq`` qdisc, which holds packets until their departure time (the EDT model); it needs a BPF toolchain
+(clang) that this image does not have. Round-trip times in the scenarios are therefore documented in the
+profiles but not emulated. CPU and memory caps are separate
 (`ravnest_p2p.lab.throttle`).
 
 Cleanup is by prefix: `NetnsLab.down` kills the processes it started (their process groups), then any
