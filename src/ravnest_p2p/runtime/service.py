@@ -77,6 +77,8 @@ class StageStats:
     completed: int = 0  # first stage: micro-batches whose backward came home
     last_loss: float | None = None
     bytes_sent: int = 0
+    compute_s: float = 0.0  # time this stage's work spent on the compute thread (fwd, bwd, eval)
+    train_wall_s: float = 0.0  # first stage: wall time inside `train` calls
     started_monotonic: float = dataclasses.field(default_factory=time.monotonic)
     recent: deque[tuple[float, int]] = dataclasses.field(default_factory=lambda: deque(maxlen=64))
 
@@ -293,14 +295,14 @@ class StageService:
         ex = self.executor
         mb = work.micro_batch_id
         if work.kind == "eval":
-            output = await run_in_compute_thread(ex.predict, work.tensor)
+            output = await self._compute(ex.predict, work.tensor)
             if self.is_last:
                 await self._report_eval(mb, output, work.labels)
             else:
                 self._send_forward(mb, output, work.labels, Mode.EVAL)
         elif work.kind == "forward":
             if self.is_last:
-                result = await run_in_compute_thread(ex.forward_loss, mb, work.tensor, work.labels)
+                result = await self._compute(ex.forward_loss, mb, work.tensor, work.labels)
                 self.stats.last_loss = result.loss
                 self._count(work.tensor.shape[0], forward=True, backward=True)
                 if self.is_first:
@@ -315,11 +317,11 @@ class StageService:
                     )
             else:
                 version = ex.weight_version
-                output = await run_in_compute_thread(ex.forward, mb, work.tensor)
+                output = await self._compute(ex.forward, mb, work.tensor)
                 self._count(work.tensor.shape[0], forward=True)
                 self._send_forward(mb, output, work.labels, Mode.TRAIN, version)
         else:
-            grad_input = await run_in_compute_thread(ex.backward, mb, work.tensor)
+            grad_input = await self._compute(ex.backward, mb, work.tensor)
             self._count(0, backward=True)
             if work.loss is not None:
                 self.stats.last_loss = work.loss
@@ -333,6 +335,13 @@ class StageService:
                     BackwardRequest(epoch=self.epoch, micro_batch_id=mb, loss=work.loss),
                     [grad_input],
                 )
+
+    async def _compute(self, fn: Any, *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return await run_in_compute_thread(fn, *args)
+        finally:
+            self.stats.compute_s += time.perf_counter() - start
 
     def _count(self, samples: int, *, forward: bool = False, backward: bool = False) -> None:
         self.stats.forwards += forward
@@ -421,6 +430,14 @@ class StageService:
         """First stage: push every batch through the pipeline (at most the window in flight); wait for all."""
         if not self.is_first:
             raise RuntimeError("only the first stage drives training")
+        started = time.perf_counter()
+        try:
+            await self._train(batches)
+        finally:
+            self.stats.train_wall_s += time.perf_counter() - started
+        return self.stats
+
+    async def _train(self, batches: Iterable[tuple[Tensor, Tensor]]) -> None:
         for inputs, labels in batches:
             await self._acquire_window()
             mb = self._next_id
@@ -430,7 +447,6 @@ class StageService:
             self._pending_forward.add(mb)
             await self._enqueue(self._forward_q, _Work("forward", mb, inputs, labels))
         await self._wait_all_done()
-        return self.stats
 
     async def _acquire_window(self) -> None:
         while True:

@@ -51,6 +51,8 @@ class JobSpec(_Config):
         max_steps: cap on micro-batches per cluster (None: the epochs decide).
         max_in_flight: micro-batches in a pipeline at once (None: the number of stages).
         update_every: backwards per optimizer step.
+        schedule: ``async_1f1b`` (no flushes) or ``gpipe`` (synchronous fill-drain of one window at a
+            time; use ``update_every = max_in_flight`` for GPipe's semantics) — the baseline we compare to.
         eval_every_steps: evaluate on held-out data every this many micro-batches (0: only at the end).
         averaging_period_steps: average replicas across clusters every this many micro-batches.
         assignment: explicit clusters (each an ordered list of stages) instead of the planner's plan.
@@ -69,6 +71,7 @@ class JobSpec(_Config):
     max_in_flight: int | None = Field(default=None, ge=1, le=1024)
     update_every: int = Field(default=1, ge=1)
     recompute: bool = False
+    schedule: Literal["async_1f1b", "gpipe"] = "async_1f1b"
     compression: Compression = Compression.NONE
     seed: int = Field(default=0, ge=0, le=2**31)
     eval_every_steps: int = Field(default=0, ge=0)

@@ -32,6 +32,8 @@ class StageMetrics(WireModel):
     queue_backward: int = Field(default=0, ge=0)
     in_flight: int = Field(default=0, ge=0)
     bytes_sent: int = Field(default=0, ge=0)
+    compute_s: float = Field(default=0.0, ge=0, le=1e9)
+    train_wall_s: float = Field(default=0.0, ge=0, le=1e9)
     eval_loss: float | None = Field(default=None, ge=0, le=1e9)
     eval_accuracy: float | None = Field(default=None, ge=0, le=1)
     peak_memory_bytes: int = Field(default=0, ge=0)

@@ -117,6 +117,8 @@ class StageRunner:
             queue_backward=depths["backward"],
             in_flight=len(service.executor.in_flight),
             bytes_sent=stats.bytes_sent,
+            compute_s=stats.compute_s,
+            train_wall_s=stats.train_wall_s,
             eval_loss=self.eval_loss,
             eval_accuracy=self.eval_accuracy,
             peak_memory_bytes=_peak_rss_bytes(),
@@ -191,7 +193,11 @@ class StageRunner:
         chunk = job.eval_every_steps or None
         while True:
             part = list(itertools.islice(batches, chunk)) if chunk else list(batches)
-            if part:
+            if part and job.schedule == "gpipe":
+                # fill-drain: admit a window of micro-batches, wait until all are back, repeat
+                for start in range(0, len(part), service.window_size):
+                    await service.train(part[start : start + service.window_size])
+            elif part:
                 await service.train(part)
             if not chunk or not part or len(part) < chunk:
                 break
