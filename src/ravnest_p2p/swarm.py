@@ -1,16 +1,23 @@
-"""Launch a local swarm of real peer processes (loopback), for the demo, notebooks, tests and benchmarks.
+"""Launch a local swarm of real peer processes, for the demo, notebooks, tests and benchmarks.
 
 Each peer is a `python -m ravnest_p2p.peer` subprocess in its own process group, so that stopping it
 also stops its p2p daemon even if the peer itself was killed hard (the daemon does not notice its parent
 dying). The bootstrap can be one of our peers or a stock `hivemind-dht`.
 
-Network-namespace swarms with shaped links build on `ravnest_p2p.lab` (see the lab issue); this module
-is the loopback form.
+Two forms: `LocalSwarm` (N identical peers on loopback, owned by the calling process) and `Swarm`
+(`ravnest_p2p.lab.launcher`: a `peers/*.toml` profile, CPU-throttled, optionally one network namespace
+per peer with shaped links). The CLI drives the second and leaves it running between commands::
+
+    python -m ravnest_p2p.swarm up --profile peers/hetero8.toml [--netns] [--prefix P] [--config FILE]
+    python -m ravnest_p2p.swarm status [--prefix P] [--json]
+    python -m ravnest_p2p.swarm down [--prefix P]
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -23,8 +30,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
-__all__ = ["LocalSwarm", "PeerProcess", "poll_until"]
+from ravnest_p2p.lab.launcher import Swarm, SwarmState, load_state, stop_swarm
+
+__all__ = ["LocalSwarm", "PeerProcess", "Swarm", "main", "poll_until", "swarm_status"]
 
 _JOIN_RE = re.compile(r"--initial[-_]peers (/\S+/p2p/\S+)")
 _PEER_ID_RE = re.compile(r"ravnest_p2p peer (\S+) ")
@@ -181,3 +191,136 @@ class LocalSwarm:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def _status_json(state: SwarmState, timeout_s: float) -> dict[str, Any]:
+    """Run the status tool next to the bootstrap (inside its namespace in netns mode)."""
+    argv = [sys.executable, "-m", "ravnest_p2p.status", "--initial-peers", *state.bootstrap.maddrs]
+    argv += ["--run-id", state.run_id, "--json"]
+    if state.bootstrap.namespace is not None:
+        argv = ["ip", "netns", "exec", state.bootstrap.namespace, *argv]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the tool and its p2p daemon
+        proc.communicate()
+        raise TimeoutError(f"status tool took over {timeout_s:.0f}s") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"status tool failed ({proc.returncode}): {err.decode(errors='replace')[-500:]}")
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+def swarm_status(state: SwarmState, *, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+    """One row per profile peer, in profile order: name, peer id, configured and measured figures.
+
+    A peer without a live record in the DHT has ``found = False`` and no measured figures.
+    """
+    records = {r["peer_id"]: r for r in _status_json(state, timeout_s)["peers"]}
+    rows = []
+    for member in state.peers:
+        spec = member.profile
+        record = records.get(member.peer_id or "")
+        row: dict[str, Any] = {
+            "name": member.name,
+            "peer_id": member.peer_id,
+            "found": record is not None,
+            "configured_upload_mbps": spec.upload_mbps if spec else None,
+            "configured_download_mbps": spec.download_mbps if spec else None,
+            "compute_slowdown": spec.compute_slowdown if spec else 1.0,
+        }
+        for key in ("upload_mbps", "download_mbps", "flops", "rtt_ms", "state", "free_memory_bytes"):
+            row[key] = record.get(key) if record else None
+        rows.append(row)
+    return rows
+
+
+def _format_rows(rows: Sequence[dict[str, Any]]) -> str:
+    def num(value: Any, scale: float = 1.0) -> str:
+        return "-" if value is None else f"{value / scale:.1f}"
+
+    lines = [
+        f"{'name':<14} {'peer':<14} {'state':<9} {'up cfg':>7} {'up':>7} {'down cfg':>8} {'down':>7} "
+        f"{'slow':>5} {'GFLOP/s':>8} {'rtt ms':>7}"
+    ]
+    for r in rows:
+        peer = f"…{r['peer_id'][-12:]}" if r["peer_id"] else "-"
+        lines.append(
+            f"{r['name']:<14} {peer:<14} {r['state'] or 'missing':<9} {num(r['configured_upload_mbps']):>7} "
+            f"{num(r['upload_mbps']):>7} {num(r['configured_download_mbps']):>8} "
+            f"{num(r['download_mbps']):>7} "
+            f"{r['compute_slowdown']:>5.1f} {num(r['flops'], 1e9):>8} {num(r['rtt_ms']):>7}"
+        )
+    lines.append(f"{sum(r['found'] for r in rows)} of {len(rows)} peers live (Mbit/s; cfg = profile)")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: ``up``, ``status``, ``down`` of a profile-driven swarm (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m ravnest_p2p.swarm", description="Run an emulated swarm.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start the swarm and leave it running")
+    up.add_argument("--profile", required=True, help="a peers/*.toml swarm profile")
+    up.add_argument("--netns", action="store_true", help="one network namespace per peer, shaped (root)")
+    up.add_argument("--config", help="TOML of PeerConfig fields passed to every peer (e.g. [probe])")
+    up.add_argument("--run-id", help="run id of the peers (default: the profile's)")
+    up.add_argument("--bootstrap", choices=["hivemind-dht", "peer"], default="hivemind-dht")
+    up.add_argument("--port", type=int, default=31337, help="every peer's port in netns mode")
+    up.add_argument("--timeout-s", type=float, default=120.0, help="startup deadline per process")
+    st = sub.add_parser("status", help="print the swarm's peers with their measured figures")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--timeout-s", type=float, default=60.0)
+    sub.add_parser("down", help="stop everything the swarm started, by state file and by prefix")
+    for command in (up, st, sub.choices["down"]):
+        command.add_argument("--prefix", default="rvswarm", help="names of namespaces/cgroups (<= 8 chars)")
+    args = parser.parse_args(argv)
+
+    if args.command == "up":
+        swarm = Swarm.from_profile(
+            args.profile,
+            netns=args.netns,
+            prefix=args.prefix,
+            run_id=args.run_id,
+            peer_config=args.config,
+            port=args.port,
+            bootstrap=args.bootstrap,
+            startup_timeout_s=args.timeout_s,
+        )
+        try:
+            swarm.start()
+        except (RuntimeError, TimeoutError, ValueError) as exc:
+            print(f"swarm up failed: {exc}", file=sys.stderr)
+            return 1
+        print(
+            f"swarm {args.prefix} up: {len(swarm.peers)} peers, run {swarm.run_id!r}, logs in {swarm.workdir}"
+        )
+        print(f"  bootstrap: --initial-peers {' '.join(swarm.initial_peers)}")
+        return 0
+    if args.command == "down":
+        stop_swarm(args.prefix)
+        print(f"swarm {args.prefix} down")
+        return 0
+    state = load_state(args.prefix)
+    if state is None:
+        print(f"no swarm with prefix {args.prefix!r} is up", file=sys.stderr)
+        return 1
+    try:
+        rows = swarm_status(state, timeout_s=args.timeout_s)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"swarm status failed: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(
+            json.dumps({"prefix": state.prefix, "run_id": state.run_id, "netns": state.netns, "peers": rows})
+        )
+    else:
+        print(_format_rows(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,9 +1,10 @@
 """How well this peer is connected: RTT pings and streamed bandwidth probes to a few peers, smoothed.
 
 Each round the meter picks the `fanout` peers it has probed least recently, pings them, and times one
-upload and one download of a probe payload. The payload grows (doubling, up to `max_probe_bytes`) until a
-transfer takes at least `min_transfer_s`, so a fast link is not mis-measured by per-call overhead and a
-slow link is not flooded. Estimates are exponential moving averages per peer; the peer's advertised
+upload and one download of a probe payload. Within a probe the payload grows (up to `max_probe_bytes`)
+until a transfer takes at least `min_transfer_s`, so a fast link is not mis-measured by per-call
+overhead and a slow link is not flooded; the next probe of that peer starts at the size that sufficed.
+Estimates are exponential moving averages per peer; the peer's advertised
 figure is the best over peers (a slow remote end limits a probe, our own link never looks faster than it
 is). Probes are bounded in size and in rate (`period_s`), and a server answers at most a couple at once,
 so probing cannot crowd out training traffic.
@@ -124,6 +125,34 @@ class NetworkMeter:
         await self._rpc.call(peer_id, PING, PingRequest(), timeout_s=self.config.timeout_s)
         return (time.perf_counter() - start) * 1000
 
+    async def _timed_transfer(self, peer_id: str, size: int, *, upload: bool) -> float:
+        """Seconds for one probe call moving ``size`` bytes up (to the peer) or down (from it)."""
+        tensors = [torch.zeros(size, dtype=torch.uint8)] if upload else []
+        request = ProbeRequest(download_bytes=0 if upload else size)
+        start = time.perf_counter()
+        await self._rpc.call(peer_id, PROBE, request, tensors=tensors, timeout_s=self.config.timeout_s)
+        elapsed = time.perf_counter() - start
+        if upload:
+            self.bytes_sent += size
+        return elapsed
+
+    async def _measure(self, peer_id: str, size: int, base_s: float, *, upload: bool) -> tuple[float, int]:
+        """(Mbit/s, payload size) of one direction, growing the payload until the transfer is long enough.
+
+        The growth happens within this probe: a payload that was too short is worth nothing, and waiting
+        for the next round (a full `period_s` later) to retry left fast links under-measured for minutes.
+        The next size aims at 1.5x `min_transfer_s` from the rate just seen (2x-16x larger), so a fast
+        link needs one or two retries, not a doubling ladder.
+        """
+        cfg = self.config
+        while True:
+            elapsed = await self._timed_transfer(peer_id, size, upload=upload)
+            if elapsed >= cfg.min_transfer_s or size >= cfg.max_probe_bytes:
+                # one round trip of the call is latency, not transfer
+                return size * 8 / 1e6 / max(elapsed - base_s, 1e-6), size
+            factor = min(16.0, max(2.0, 1.5 * cfg.min_transfer_s / max(elapsed, 1e-6)))
+            size = min(int(size * factor), cfg.max_probe_bytes)
+
     async def probe(self, peer_id: str) -> LinkEstimate:
         """Ping, then time one upload and one download to `peer_id`; update and return its estimate."""
         cfg = self.config
@@ -131,31 +160,14 @@ class NetworkMeter:
         rtt_ms = min([await self.ping(peer_id) for _ in range(3)])
         link.rtt_ms = _ema(link.rtt_ms, rtt_ms, cfg.ema_alpha)
         size = min(link.probe_bytes or cfg.initial_probe_bytes, cfg.max_probe_bytes)
-
-        start = time.perf_counter()
-        await self._rpc.call(
-            peer_id,
-            PROBE,
-            ProbeRequest(download_bytes=0),
-            tensors=[torch.zeros(size, dtype=torch.uint8)],
-            timeout_s=cfg.timeout_s,
-        )
-        up_s = time.perf_counter() - start
-        self.bytes_sent += size
-
-        start = time.perf_counter()
-        await self._rpc.call(peer_id, PROBE, ProbeRequest(download_bytes=size), timeout_s=cfg.timeout_s)
-        down_s = time.perf_counter() - start
-
-        # one round trip of each call is latency, not transfer
         base_s = rtt_ms / 1000
-        too_short = min(up_s, down_s) < cfg.min_transfer_s and size < cfg.max_probe_bytes
-        # while the payload is still growing, earlier (overhead-dominated) samples are worth nothing
-        alpha = 1.0 if too_short or link.num_probes == 0 else cfg.ema_alpha
-        link.upload_mbps = _ema(link.upload_mbps, size * 8 / 1e6 / max(up_s - base_s, 1e-6), alpha)
-        link.download_mbps = _ema(link.download_mbps, size * 8 / 1e6 / max(down_s - base_s, 1e-6), alpha)
-        if too_short:
-            link.probe_bytes = min(size * 4, cfg.max_probe_bytes)
+        up_mbps, up_size = await self._measure(peer_id, size, base_s, upload=True)
+        down_mbps, down_size = await self._measure(peer_id, size, base_s, upload=False)
+        alpha = 1.0 if link.num_probes == 0 else cfg.ema_alpha
+        link.upload_mbps = _ema(link.upload_mbps, up_mbps, alpha)
+        link.download_mbps = _ema(link.download_mbps, down_mbps, alpha)
+        # remember the size that was long enough, so the next probe starts there
+        link.probe_bytes = max(up_size, down_size)
         link.num_probes += 1
         link.last_probe_monotonic = time.monotonic()
         return link
