@@ -67,6 +67,7 @@ __all__ = ["RingAllReduce", "RingConfig", "RingMetrics", "RoundMetrics"]
 logger = logging.getLogger(__name__)
 
 _INLINE_NUMEL = 1 << 20  # flatten/split larger shards on the compute thread
+_UNSERVE_TIMEOUT_S = 5.0
 
 
 class RingConfig(BaseModel):
@@ -145,9 +146,13 @@ class RingAllReduce:
 
     async def aclose(self) -> None:
         if self._serving:
-            for method in (RING_REDUCE, RING_GATHER, RING_STATUS):
-                await self.endpoint.unserve(method)
             self._serving = False
+            try:
+                async with asyncio.timeout(_UNSERVE_TIMEOUT_S):  # a dead daemon must not hang shutdown
+                    for method in (RING_REDUCE, RING_GATHER, RING_STATUS):
+                        await self.endpoint.unserve(method)
+            except TimeoutError:
+                logger.warning("ring handlers of %s not removed in %ss", self.peer_id, _UNSERVE_TIMEOUT_S)
         for session in self._sessions.values():
             session.stop_attempt()
         self._notify()
