@@ -78,6 +78,7 @@ class ProbeConfig(BaseModel):
 @dataclass
 class LinkEstimate:
     rtt_ms: float | None = None
+    min_rtt_ms: float | None = None
     upload_mbps: float | None = None
     download_mbps: float | None = None
     probe_bytes: int = 0
@@ -159,8 +160,12 @@ class NetworkMeter:
         link = self.links.setdefault(peer_id, LinkEstimate(probe_bytes=cfg.initial_probe_bytes))
         rtt_ms = min([await self.ping(peer_id) for _ in range(3)])
         link.rtt_ms = _ema(link.rtt_ms, rtt_ms, cfg.ema_alpha)
+        link.min_rtt_ms = rtt_ms if link.min_rtt_ms is None else min(link.min_rtt_ms, rtt_ms)
         size = min(link.probe_bytes or cfg.initial_probe_bytes, cfg.max_probe_bytes)
-        base_s = rtt_ms / 1000
+        # The latency to discount is the path's base RTT (its minimum so far), not this round's pings:
+        # those include the peers' scheduling delays (a CPU-capped volunteer answers up to a quota
+        # period late), and subtracting them from a transfer inflated its rate by 20 % in the lab.
+        base_s = link.min_rtt_ms / 1000
         up_mbps, up_size = await self._measure(peer_id, size, base_s, upload=True)
         down_mbps, down_size = await self._measure(peer_id, size, base_s, upload=False)
         alpha = 1.0 if link.num_probes == 0 else cfg.ema_alpha
