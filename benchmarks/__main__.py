@@ -12,6 +12,7 @@ from benchmarks.harness import write_index
 ALL = [
     "bench_placement",
     "bench_learning",
+    "bench_pipeline_throughput",
 ]
 
 

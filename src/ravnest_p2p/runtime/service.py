@@ -1,8 +1,8 @@
 """One peer's pipeline stage on the network: asynchronous 1F1B without flushes (PipeDream-style).
 
-The first stage admits micro-batches through a window of `max_in_flight` (default: the number of
-stages); each stage runs forward, hands activations (with the labels, which travel to the last stage)
-to the next peer, and runs backward when the gradient comes back; optimizer steps happen inside the
+The first stage admits micro-batches through a window of `max_in_flight` (default: `default_window`);
+each stage runs forward, hands activations (with the labels, which travel to the last stage) to the
+next peer, and runs backward when the gradient comes back; optimizer steps happen inside the
 `StageExecutor` (with weight stashing) every `update_every` backwards. Nothing ever waits for the whole
 pipeline to drain: as soon as the first stage gets a micro-batch's backward, the window admits the next.
 
@@ -54,15 +54,28 @@ from ravnest_p2p.transport.codec import Compression
 from ravnest_p2p.transport.rpc import CallContext, RpcEndpoint, RpcMethod
 from ravnest_p2p.utils import TaskOwner, run_in_compute_thread
 
-__all__ = ["PipelineConfig", "StageService", "StageStats"]
+__all__ = ["PipelineConfig", "StageService", "StageStats", "default_window"]
 
 logger = logging.getLogger(__name__)
+
+
+def default_window(num_stages: int) -> int:
+    """Micro-batches in flight that keep every stage and link busy: ``3 * num_stages - 2``.
+
+    PipeDream admits ``num_stages`` micro-batches, which saturates a pipeline whose communication is
+    free. Over volunteer links a transfer takes as long as a stage's compute, so each link direction is
+    a pipeline resource too: a micro-batch's round trip visits S computes and 2(S-1) link directions,
+    at most ``(3S - 2) x`` the slowest one's time; that many in flight reach the bottleneck's rate
+    (measured: `benchmarks/results/pipeline_throughput.md`). The cost is up to that many stashed weight
+    versions on the first stage; set `max_in_flight` lower where memory is tight.
+    """
+    return max(1, 3 * num_stages - 2)
 
 
 class PipelineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_in_flight: int | None = Field(default=None, ge=1, description="default: number of stages")
+    max_in_flight: int | None = Field(default=None, ge=1, description="default: `default_window`")
     compression: Compression = Compression.NONE
     send_timeout_s: float = Field(default=60.0, gt=0)
     send_attempts: int = Field(default=3, ge=1)
@@ -125,7 +138,7 @@ class StageService:
         self.peers = list(cluster_peers)
         self.index = stage_index
         self.config = config or PipelineConfig()
-        self.window_size = self.config.max_in_flight or len(cluster_peers)
+        self.window_size = self.config.max_in_flight or default_window(len(cluster_peers))
         self.prev_peer = cluster_peers[stage_index - 1] if stage_index > 0 else None
         self.next_peer = cluster_peers[stage_index + 1] if stage_index < len(cluster_peers) - 1 else None
         self.stats = StageStats()

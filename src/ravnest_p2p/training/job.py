@@ -49,7 +49,8 @@ class JobSpec(_Config):
         batch_size: samples per micro-batch.
         num_epochs: passes over each cluster's shard of the data.
         max_steps: cap on micro-batches per cluster (None: the epochs decide).
-        max_in_flight: micro-batches in a pipeline at once (None: the number of stages).
+        max_in_flight: micro-batches in a pipeline at once (None: 3 x stages - 2, see
+            `runtime.service.default_window`).
         update_every: backwards per optimizer step.
         schedule: ``async_1f1b`` (no flushes) or ``gpipe`` (synchronous fill-drain of one window at a
             time; use ``update_every = max_in_flight`` for GPipe's semantics) — the baseline we compare to.

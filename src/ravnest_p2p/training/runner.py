@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ravnest_p2p.discovery import RunDHT, dht_time
 from ravnest_p2p.errors import RavnestError
-from ravnest_p2p.runtime.service import PipelineConfig, StageService
+from ravnest_p2p.runtime.service import PipelineConfig, StageService, default_window
 from ravnest_p2p.training.job import JobSpec, StagePlacement
 from ravnest_p2p.training.metrics import StageMetrics, metrics_key
 from ravnest_p2p.training.stages import build_stage, load_dataset, train_batches
@@ -147,7 +147,7 @@ class StageRunner:
         """Train this stage until the job is done (or fails); return the final metrics."""
         job, placement = self.job, self.placement
         stage = placement.stages[placement.stage_index]
-        window = job.max_in_flight or len(placement.stages)
+        window = job.max_in_flight or default_window(len(placement.stages))
         executor = build_stage(job, stage.first_layer, stage.end_layer, max_in_flight=window)
         self.service = service = StageService(
             self.rpc,

@@ -1,0 +1,199 @@
+"""Throughput: the async 1F1B pipeline vs its slowest stage's bound vs a GPipe fill-drain schedule.
+
+Three stage peers run in lab network namespaces with shaped links and a capped CPU each (cgroups);
+a fourth namespace runs the researcher (`benchmarks.pipeline_driver`). In one run the same cluster
+trains the same job twice: asynchronously (no flushes) and with GPipe's synchronous fill-drain.
+
+The bound: in steady state a pipeline can go no faster than its slowest stage, where a stage's time per
+micro-batch is the larger of its compute (forward + backward, measured on that peer in this run) and
+the transfer of its output activations over its shaped link (payload rate = 0.957 x the htb rate,
+the TCP/IP header overhead measured by the lab). samples/s bound = batch / max over stages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import record
+from ravnest_p2p.lab import NetnsLab, parse_profile
+from ravnest_p2p.lab.throttle import base_cpus_to_fit, thread_env
+from ravnest_p2p.models import build_model, sample_input, trace_output_specs
+from ravnest_p2p.runtime.optim import OptimizerConfig
+from ravnest_p2p.runtime.service import default_window
+from ravnest_p2p.swarm import poll_until
+from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.transport import load_or_create_identity
+
+PAYLOAD_FACTOR = 0.957
+PORT = 31337
+
+
+def _profile(link_mbps: float) -> dict[str, Any]:
+    peers = [{"name": f"s{i}", "upload_mbps": link_mbps, "download_mbps": link_mbps} for i in range(3)]
+    peers.append({"name": "researcher"})
+    return {"run_id": "pipebench", "shaping": "htb", "peers": peers}
+
+
+def _job(quick: bool) -> tuple[JobSpec, list[tuple[int, int]]]:
+    width = 768
+    job = JobSpec(
+        job_id="tp",
+        model="mlp",
+        model_params={"in_features": 256, "hidden_features": [width] * 5, "out_features": 8},
+        dataset="synthetic_classification",
+        dataset_config={"num_samples": 40_000, "in_features": 256, "num_classes": 8},
+        batch_size=64,
+        max_steps=60 if quick else 200,
+        optimizer=OptimizerConfig(name="sgd", lr=0.01),
+    )
+    return job, [(0, 2), (2, 4), (4, 6)]
+
+
+def _boundary_bytes(job: JobSpec, split: list[tuple[int, int]]) -> list[int]:
+    layers = build_model(job.model, job.model_params)
+    specs = trace_output_specs(layers, sample_input(job.model, job.model_params))
+    out = []
+    for _, end in split[:-1]:
+        spec = specs[end - 1]
+        numel = 1
+        for d in spec.shape:
+            numel *= d
+        out.append(numel * 4 * job.batch_size)
+    return out
+
+
+def _run_once(link_mbps: float, quick: bool, workdir: Path) -> dict[str, Any]:
+    job, split = _job(quick)
+    profile = parse_profile(_profile(link_mbps), source="bench")
+    prefix = "rvp" + os.urandom(2).hex()
+    ids = [load_or_create_identity(workdir / f"id{i}.key") for i in range(3)]
+    base_cpus = base_cpus_to_fit([1.0, 1.0, 1.0], num_cpus=1.8)
+    with NetnsLab(profile, prefix=prefix) as lab:
+        throttles = []
+        procs = []
+        maddrs = [f"/ip4/{lab.address_of(i)}/tcp/{PORT}/p2p/{ids[i].peer_id}" for i in range(3)]
+        try:
+            for i in range(3):
+                throttle = lab.throttle_for(i, base_cpus=base_cpus)
+                throttle.create()
+                throttles.append(throttle)
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "ravnest_p2p.peer",
+                    "--run-id",
+                    "pipebench",
+                    "--identity-path",
+                    str(ids[i].path),
+                    "--host-maddrs",
+                    f"/ip4/{lab.address_of(i)}/tcp/{PORT}",
+                    "--announce-maddrs",
+                    f"/ip4/{lab.address_of(i)}/tcp/{PORT}",
+                ]
+                if i > 0:
+                    argv += ["--initial-peers", maddrs[0]]
+                procs.append(
+                    lab.run_in_ns(
+                        i, argv, env=thread_env(1), log_path=workdir / f"peer{i}.log", throttle=throttle
+                    )
+                )
+                if i == 0:
+                    poll_until(
+                        lambda: "join with" in (workdir / "peer0.log").read_text(errors="replace"),
+                        60,
+                        what="stage peer 0 to start",
+                    )
+            out = workdir / "driver.json"
+            driver = lab.run_in_ns(
+                3,
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.pipeline_driver",
+                    "--initial-peers",
+                    maddrs[0],
+                    "--run-id",
+                    "pipebench",
+                    "--stage-peers",
+                    *[i.peer_id for i in ids],
+                    "--split",
+                    json.dumps(split),
+                    "--job",
+                    job.model_dump_json(),
+                    "--out",
+                    str(out),
+                    "--runs",
+                    f"async_1f1b:{len(split)}",
+                    f"async_1f1b:{default_window(len(split))}",
+                    f"gpipe:{default_window(len(split))}",
+                ],
+                log_path=workdir / "driver.log",
+                cwd=str(Path(__file__).resolve().parents[1]),
+            )
+            started = time.monotonic()
+            poll_until(lambda: driver.poll() is not None, 900, what="the pipeline driver", interval_s=1)
+            if driver.returncode != 0:
+                raise RuntimeError((workdir / "driver.log").read_text()[-3000:])
+            results = json.loads(out.read_text())
+        finally:
+            for throttle in throttles:
+                throttle.close()
+    return {"results": results, "job": job, "split": split, "elapsed_s": time.monotonic() - started}
+
+
+def _summarise(run: dict[str, Any], link_mbps: float) -> dict[str, Any]:
+    job: JobSpec = run["job"]
+    boundary = _boundary_bytes(job, run["split"])
+    row: dict[str, Any] = {"link_mbps": link_mbps, "batch": job.batch_size, "micro_batches": job.max_steps}
+    link_s = [b * 8 / (link_mbps * 1e6 * PAYLOAD_FACTOR) for b in boundary]
+    for result in run["results"]:
+        metrics = sorted(result["metrics"], key=lambda m: m["stage"])
+        first = metrics[0]
+        samples_per_s = first["step"] * job.batch_size / max(first["train_wall_s"], 1e-9)
+        compute_per_mb = [m["compute_s"] / max(m["step"], 1) for m in metrics]
+        stage_s = [max(c, link_s[i] if i < len(link_s) else 0.0) for i, c in enumerate(compute_per_mb)]
+        bound = job.batch_size / max(stage_s)
+        key = f"{'async' if result['schedule'] == 'async_1f1b' else 'gpipe'}_w{result['window']}"
+        row[f"{key}_samples_per_s"] = samples_per_s
+        row[f"{key}_bound_samples_per_s"] = bound
+        row[f"{key}_over_bound"] = samples_per_s / bound
+        row[f"{key}_peak_rss_mb"] = max(m["peak_memory_bytes"] for m in metrics) / 2**20
+        row[f"{key}_stage_compute_ms"] = "/".join(f"{c * 1000:.1f}" for c in compute_per_mb)
+    row["link_ms"] = "/".join(f"{s * 1000:.1f}" for s in link_s)
+    window = default_window(len(run["split"]))
+    row["async_over_gpipe"] = row[f"async_w{window}_samples_per_s"] / row[f"gpipe_w{window}_samples_per_s"]
+    return row
+
+
+def main(quick: bool = False) -> None:
+    if os.geteuid() != 0:
+        print("bench_pipeline_throughput needs root (network namespaces); skipped", flush=True)
+        return
+    rows = []
+    for link_mbps in [50.0] if quick else [25.0, 100.0]:
+        with tempfile.TemporaryDirectory(prefix="ravnest-tp-") as tmp:
+            row = _summarise(_run_once(link_mbps, quick, Path(tmp)), link_mbps)
+        print(row, flush=True)
+        rows.append(row)
+    record(
+        "pipeline_throughput",
+        rows,
+        notes=(
+            "3-stage MLP pipeline, one peer process per lab namespace (htb links, CPU capped by cgroup), "
+            "researcher in a 4th namespace. async_wN = 1F1B without flushes, N micro-batches in flight "
+            "(N=3: PipeDream's window = stages; N=7: our default 3S-2); gpipe_w7 = fill-drain of 7 "
+            "micro-batches at a time, one optimizer step each. bound = batch / slowest stage, stage time = "
+            "max(measured compute per micro-batch on that peer in this run, activation transfer at 0.957 x "
+            "htb rate). Goal: async_w7_over_bound >= 0.9. Peak RSS is per stage process (max over stages)."
+        ),
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Runs inside a lab namespace as the researcher: publishes jobs to a fixed 3-stage cluster, collects metrics.
+
+Invoked by `bench_pipeline_throughput`; prints nothing but writes one JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+from ravnest_p2p.client import RunClient
+from ravnest_p2p.training.job import JobSpec, StagePlacement
+
+
+async def run(args: argparse.Namespace) -> list[dict]:
+    base = JobSpec.model_validate_json(args.job)
+    results = []
+    async with await RunClient.connect(args.initial_peers, args.run_id) as client:
+        await client.wait_for_peers(len(args.stage_peers), timeout_s=180, measured=False)
+        for run_spec in args.runs:
+            schedule, window = run_spec.split(":")
+            update = {
+                "job_id": f"{base.job_id}-{schedule}-{window}",
+                "schedule": schedule,
+                "max_in_flight": int(window),
+                "assignment": (
+                    tuple(
+                        StagePlacement(peer_id=pid, first_layer=first, end_layer=end)
+                        for pid, (first, end) in zip(args.stage_peers, json.loads(args.split), strict=True)
+                    ),
+                ),
+            }
+            if schedule == "gpipe":
+                update["update_every"] = int(window)  # GPipe: one optimizer step per fill-drain
+            job = base.model_copy(update=update)
+            await client.publish_job(job)
+            final = await client.wait_for_job(job, timeout_s=args.timeout_s, poll_s=1.0)
+            results.append(
+                {
+                    "schedule": schedule,
+                    "window": int(window),
+                    "metrics": [m.model_dump(mode="json") for m in final],
+                }
+            )
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--initial-peers", nargs="+", required=True)
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--stage-peers", nargs="+", required=True)
+    parser.add_argument("--split", required=True, help="JSON list of [first, end] per stage")
+    parser.add_argument("--job", required=True, help="JobSpec JSON (without assignment)")
+    parser.add_argument("--runs", nargs="+", required=True, help="schedule:window, e.g. async_1f1b:7 gpipe:7")
+    parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    Path(args.out).write_text(json.dumps(asyncio.run(run(args))))
+
+
+if __name__ == "__main__":
+    main()
