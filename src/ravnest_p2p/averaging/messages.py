@@ -58,10 +58,23 @@ class StatusReply(WireModel):
     members: list[str] = Field(default_factory=list, max_length=1024)
 
 
+# Parts always travel over a libp2p stream (large_response=True), even below the 2 MiB unary cap: on
+# loopback, 1 MiB parts over unary calls averaged 16 MiB among 4 peers in ~1.6 s, over streams in ~0.7 s
+# (the unary path wraps each payload in protobuf messages and shares one control connection).
 RING_REDUCE = RpcMethod(
-    "ring_reduce", PartMessage, PartAck, max_request_bytes=MAX_PART_REQUEST_BYTES, max_tensors=1
+    "ring_reduce",
+    PartMessage,
+    PartAck,
+    max_request_bytes=MAX_PART_REQUEST_BYTES,
+    max_tensors=1,
+    large_response=True,
 )
 RING_GATHER = RpcMethod(
-    "ring_gather", PartMessage, PartAck, max_request_bytes=MAX_PART_REQUEST_BYTES, max_tensors=1
+    "ring_gather",
+    PartMessage,
+    PartAck,
+    max_request_bytes=MAX_PART_REQUEST_BYTES,
+    max_tensors=1,
+    large_response=True,
 )
 RING_STATUS = RpcMethod("ring_status", StatusRequest, StatusReply, max_request_bytes=4096, max_tensors=0)

@@ -75,7 +75,7 @@ class RingConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    part_size_bytes: int = Field(default=1 << 20, ge=1024, le=32 << 20)
+    part_size_bytes: int = Field(default=2 << 20, ge=1024, le=32 << 20)
     parts_in_flight: int = Field(default=4, ge=1, le=64)
     compression: Compression = Compression.NONE
     step_timeout_s: float = Field(default=10.0, gt=0)
