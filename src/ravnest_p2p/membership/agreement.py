@@ -31,6 +31,7 @@ from ravnest_p2p.membership.view import Capacity, MembershipView, SummaryItem
 from ravnest_p2p.planning import JobParams, Plan, make_plan
 from ravnest_p2p.transport import RpcEndpoint
 from ravnest_p2p.types import LayerProfile, PeerState
+from ravnest_p2p.utils import run_in_compute_thread
 
 __all__ = ["DEFAULT_LAYERS", "MembershipConfig", "MembershipService", "RecordSource", "plan_position"]
 
@@ -105,6 +106,10 @@ def plan_position(plan: Plan | None, peer_id: str) -> tuple[int | None, int | No
                 if assignment.peer_id == peer_id:
                     return cluster.index, stage
     return None, None
+
+
+class _Stale(Exception):
+    pass
 
 
 def _plan_members(plan: Plan) -> frozenset[str]:
@@ -235,6 +240,16 @@ class MembershipService:
         peers = [cap.to_peer_capacity(pid) for pid, cap in self.view.live().items()]
         return make_plan(peers, self.config.layers, self.config.job, epoch=self.tracker.epoch)
 
+    async def _compute_plan_off_loop(self) -> Plan:
+        # make_plan grows super-linearly (~15 s for 100 peers on this machine): run it on the compute
+        # thread over a snapshot taken here, so the loop keeps gossiping and the view cannot race it.
+        peers = [cap.to_peer_capacity(pid) for pid, cap in self.view.live().items()]
+        epoch, digest = self.tracker.epoch, self.view.digest()
+        plan = await run_in_compute_thread(make_plan, peers, self.config.layers, self.config.job, epoch=epoch)
+        if (epoch, digest) != (self.tracker.epoch, self.view.digest()):
+            raise _Stale()
+        return plan
+
     async def _publish(self, now: float) -> None:
         assert self._proposal is not None
         digest = self._proposal.digest()
@@ -249,7 +264,9 @@ class MembershipService:
 
     async def _propose(self, now: float) -> None:
         try:
-            plan = self.compute_plan()
+            plan = await self._compute_plan_off_loop()
+        except _Stale:
+            return  # the view or epoch moved while we computed: the tracker will ask again
         except ValueError as exc:
             logger.warning("cannot plan epoch %d: %s", self.tracker.epoch, exc)
             return
