@@ -14,8 +14,12 @@ optimistic: the 4 peers' streams, sums and daemons compete for the same CPUs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +29,8 @@ from ravnest_p2p.averaging import RingAllReduce, RingConfig, build_shard_map
 from ravnest_p2p.transport import HostConfig, P2PTransport, RpcEndpoint, load_or_create_identity
 
 NUM_PEERS = 4
+_ROOT = Path(__file__).resolve().parents[1]
+_CONFIGS = {"none": RingConfig(), "fp16": RingConfig(compression="fp16")}
 _RAW_PROTOCOL = "bench/raw-stream"
 
 
@@ -114,6 +120,115 @@ async def _ours(size_bytes: int, repeats: int, configs: dict[str, RingConfig]) -
         await asyncio.wait_for(asyncio.gather(*(t.aclose() for t in transports), return_exceptions=True), 60)
 
 
+async def _worker(index: int, numel: int) -> None:
+    """One peer in its own process (like hivemind's averagers): JSON lines on stdin/stdout with the parent."""
+    loop = asyncio.get_running_loop()
+    torch.set_num_threads(1)  # 4 peers share 2 cores: no intra-op pools fighting each other
+
+    async def read_line() -> Any:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        return json.loads(line) if line.strip() else None
+
+    def write_line(obj: Any) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    transport = await P2PTransport.create(HostConfig(), load_or_create_identity(None))
+    servers: dict[str, RingAllReduce] = {}
+    try:
+        write_line({"peer_id": transport.peer_id, "maddrs": await transport.visible_maddrs()})
+        peers = (await read_line())["peers"]
+        for peer_id, maddrs in peers.items():
+            if peer_id != transport.peer_id:
+                transport.add_addresses(peer_id, maddrs)
+        shard_map = build_shard_map([[(p, [("0.weight", numel)])] for p in peers], epoch=0)
+        tensors = _tensors(numel)
+        expected = torch.stack([t.double() for t in tensors]).mean(0)
+        for label, config in _CONFIGS.items():
+            servers[label] = RingAllReduce(RpcEndpoint(transport, f"bench-{label}"), config)
+            await servers[label].start()
+        write_line({"ready": True})
+        while (command := await read_line()) is not None:
+            server = servers[command["label"]]
+            averaged, metrics = await server.all_reduce(
+                shard_map, {"0.weight": tensors[index]}, round_index=command["round"]
+            )
+            error = (averaged["0.weight"].double() - expected).abs().max().item()
+            participants = len(metrics.rings[0].participants)
+            write_line(
+                {
+                    "time_s": metrics.time_s,
+                    "bytes_sent": metrics.bytes_sent,
+                    "error": error,
+                    "participants": participants,
+                }
+            )
+    finally:
+        for server in servers.values():
+            await server.aclose()
+        await transport.aclose()
+
+
+async def _ours_processes(size_bytes: int, repeats: int) -> dict[str, Any]:
+    numel = size_bytes // 4
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "benchmarks.bench_averaging",
+            "worker",
+            str(i),
+            str(numel),
+            cwd=_ROOT,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        for i in range(NUM_PEERS)
+    ]
+
+    async def ask(proc: asyncio.subprocess.Process, obj: Any) -> Any:
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        if obj is not None:
+            proc.stdin.write((json.dumps(obj) + "\n").encode())
+            await proc.stdin.drain()
+        return json.loads(await asyncio.wait_for(proc.stdout.readline(), 300))
+
+    try:
+        hello = [await ask(p, None) for p in procs]
+        peers = {h["peer_id"]: h["maddrs"] for h in hello}
+        await asyncio.gather(*(ask(p, {"peers": peers}) for p in procs))
+        runs: dict[str, Any] = {}
+        round_index = 0
+        for label in _CONFIGS:
+            times, errors, sent = [], [], []
+            for r in range(repeats + 1):
+                replies = await asyncio.gather(
+                    *(ask(p, {"label": label, "round": round_index}) for p in procs)
+                )
+                round_index += 1
+                assert all(x["participants"] == NUM_PEERS for x in replies), replies
+                if r == 0:
+                    continue
+                times.append(max(x["time_s"] for x in replies))
+                errors.append(max(x["error"] for x in replies))
+                sent.append(statistics.mean(x["bytes_sent"] for x in replies))
+            runs[label] = {"times": times, "max_abs_error": max(errors), "bytes_sent": sent[0]}
+        return runs
+    finally:
+        for proc in procs:
+            if proc.stdin is not None:
+                proc.stdin.write(b"null\n")
+                with contextlib.suppress(ConnectionError):
+                    await proc.stdin.drain()
+        for proc in procs:
+            try:
+                await asyncio.wait_for(proc.wait(), 30)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
 def _hivemind(size_bytes: int, repeats: int) -> dict[str, Any]:
     from hivemind.averaging import DecentralizedAverager
     from hivemind.averaging.control import AveragingStage
@@ -178,17 +293,16 @@ def _stats(values: list[float]) -> dict[str, float]:
 def main(quick: bool = False) -> None:
     size_bytes = (16 if quick else 64) << 20
     repeats = 3 if quick else 5
-    configs = {
-        "none": RingConfig(),
-        "fp16": RingConfig(compression="fp16"),
-    }
-    ours = asyncio.run(_ours(size_bytes, repeats, configs))
+    ours = asyncio.run(_ours(size_bytes, repeats, _CONFIGS))
+    ours_processes = asyncio.run(_ours_processes(size_bytes, repeats))
     theirs = _hivemind(size_bytes, repeats)
     raw = ours["raw_stream_bytes_per_s"]
     bound_s = 2 * (NUM_PEERS - 1) / NUM_PEERS * size_bytes / raw
-    ring_median = statistics.median(ours["runs"]["none"]["times"])
+    ring_median = statistics.median(ours_processes["none"]["times"])
     rows: list[dict[str, Any]] = []
-    for label, run in ours["runs"].items():
+    runs = [(f"{k}, 4 processes", v) for k, v in ours_processes.items()]
+    runs += [(f"{k}, 1 process", v) for k, v in ours["runs"].items()]
+    for label, run in runs:
         stats = _stats(run["times"])
         rows.append(
             {
@@ -228,3 +342,10 @@ def main(quick: bool = False) -> None:
     )
     path = record("averaging", rows, notes=notes)
     print(f"wrote {path}")
+
+
+if __name__ == "__main__":  # a worker process of `_ours_processes`
+    if len(sys.argv) == 4 and sys.argv[1] == "worker":
+        asyncio.run(_worker(int(sys.argv[2]), int(sys.argv[3])))
+    else:
+        main(quick="--quick" in sys.argv)
