@@ -69,8 +69,8 @@ class ProbeConfig(BaseModel):
     period_s: float = Field(default=30.0, gt=0)
     fanout: int = Field(default=2, ge=1, le=16)
     initial_probe_bytes: int = Field(default=256 * 1024, ge=1024, le=MAX_PROBE_BYTES)
-    max_probe_bytes: int = Field(default=8 * 2**20, ge=1024, le=MAX_PROBE_BYTES)
-    min_transfer_s: float = Field(default=0.25, gt=0)
+    max_probe_bytes: int = Field(default=MAX_PROBE_BYTES, ge=1024, le=MAX_PROBE_BYTES)
+    min_transfer_s: float = Field(default=0.5, gt=0)
     ema_alpha: float = Field(default=0.3, gt=0, le=1)
     timeout_s: float = Field(default=20.0, gt=0)
 

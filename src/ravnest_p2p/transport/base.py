@@ -16,7 +16,7 @@ __all__ = ["UNARY_LIMIT_BYTES", "RawHandler", "Transport"]
 # anything larger.
 UNARY_LIMIT_BYTES = 2 * 1024 * 1024
 
-RawHandler = Callable[[bytes, str], Awaitable[bytes]]
+RawHandler = Callable[[bytes | bytearray, str], Awaitable[bytes]]
 """Called with (request bytes, caller's peer id); returns reply bytes. Must not raise."""
 
 
@@ -30,7 +30,7 @@ class Transport(Protocol):
 
     async def call(
         self, peer_id: str, name: str, data: bytes, *, stream: bool, max_response_bytes: int
-    ) -> bytes: ...
+    ) -> bytes | bytearray: ...
 
     def add_addresses(self, peer_id: str, maddrs: Sequence[str]) -> None:
         """Remember where a peer listens, so a later call can dial it directly."""

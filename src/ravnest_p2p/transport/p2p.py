@@ -211,7 +211,7 @@ class P2PTransport:
 
     async def call(
         self, peer_id: str, name: str, data: bytes, *, stream: bool, max_response_bytes: int
-    ) -> bytes:
+    ) -> bytes | bytearray:
         await self._ensure_connected(peer_id)
         try:
             remote = PeerID.from_base58(peer_id)

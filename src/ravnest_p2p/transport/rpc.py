@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from ravnest_p2p.errors import DeadlineExceeded, InvalidMessage, RemoteError, TransportError
 from ravnest_p2p.transport.base import Transport
-from ravnest_p2p.transport.codec import Compression, decode_tensor, encode_tensor
+from ravnest_p2p.transport.codec import Compression, decode_tensor, encode_tensor_parts
 from ravnest_p2p.transport.wire import decode_envelope, encode_envelope, error_envelope
 
 __all__ = ["CallContext", "Reply", "RpcEndpoint", "RpcMethod"]
@@ -63,7 +63,7 @@ Handler = Callable[[Any, list[torch.Tensor], CallContext], Awaitable[HandlerResu
 def _encode(
     kind: str, message: BaseModel, tensors: Sequence[torch.Tensor], compression: Compression
 ) -> bytes:
-    blobs = [encode_tensor(t, compression) for t in tensors]
+    blobs = [encode_tensor_parts(t, compression) for t in tensors]
     return encode_envelope({"kind": kind, "body": message.model_dump(mode="json")}, blobs)
 
 
@@ -94,7 +94,7 @@ class RpcEndpoint:
         return f"ravnest/{self.namespace}/{method.name}"
 
     async def serve(self, method: RpcMethod[ReqT, RespT], handler: Handler) -> None:
-        async def raw(data: bytes, remote_peer_id: str) -> bytes:
+        async def raw(data: bytes | bytearray, remote_peer_id: str) -> bytes:
             context = CallContext(remote_peer_id=remote_peer_id, method=method.name)
             try:
                 envelope = decode_envelope(data, max_bytes=method.max_request_bytes)

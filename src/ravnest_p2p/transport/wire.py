@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ _HEADER_LEN = struct.Struct("!I")
 _FRAME_LEN = struct.Struct("!Q")
 MAX_HEADER_BYTES = 256 * 1024
 _WRITE_CHUNK_BYTES = 1 << 20
+_READ_CHUNK_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -40,22 +42,30 @@ class Envelope:
     """A decoded message: a msgpack header and the raw blobs that follow it."""
 
     header: dict[str, Any]
-    blobs: list[bytes] = field(default_factory=list)
+    blobs: list[bytes | memoryview] = field(default_factory=list)  # views into the message: no copies
 
 
-def encode_envelope(header: dict[str, Any], blobs: list[bytes] | tuple[bytes, ...] = ()) -> bytes:
-    full_header = {**header, "blobs": [len(b) for b in blobs]}
+Buffer = bytes | bytearray | memoryview
+
+
+def encode_envelope(header: dict[str, Any], blobs: Sequence[Buffer | Sequence[Buffer]] = ()) -> bytes:
+    """Build an envelope; a blob may be given as a list of pieces, joined here with everything else.
+
+    One join for the whole message: the only copy of tensor data on the sending side.
+    """
+    pieces = [[b] if isinstance(b, bytes | bytearray | memoryview) else list(b) for b in blobs]
+    full_header = {**header, "blobs": [sum(memoryview(x).nbytes for x in p) for p in pieces]}
     packed = msgpack.packb(full_header, use_bin_type=True)
     if len(packed) > MAX_HEADER_BYTES:
         raise PayloadTooLarge(f"header of {len(packed)} bytes exceeds {MAX_HEADER_BYTES}")
-    return b"".join([_MAGIC, _HEADER_LEN.pack(len(packed)), packed, *blobs])
+    return b"".join([_MAGIC, _HEADER_LEN.pack(len(packed)), packed, *(x for p in pieces for x in p)])
 
 
 def error_envelope(code: str, message: str) -> bytes:
     return encode_envelope({"kind": "error", "code": code, "message": message[:2000]})
 
 
-def decode_envelope(data: bytes, *, max_bytes: int) -> Envelope:
+def decode_envelope(data: bytes | bytearray, *, max_bytes: int) -> Envelope:
     """Parse an envelope, refusing anything malformed or larger than `max_bytes`."""
     if len(data) > max_bytes:
         raise PayloadTooLarge(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
@@ -82,9 +92,10 @@ def decode_envelope(data: bytes, *, max_bytes: int) -> Envelope:
     offset = prefix + header_len
     if offset + sum(sizes) != len(data):
         raise InvalidMessage("blob sizes do not match the message length")
-    blobs = []
+    blobs: list[bytes | memoryview] = []
+    view = memoryview(data)
     for size in sizes:
-        blobs.append(data[offset : offset + size])
+        blobs.append(view[offset : offset + size])
         offset += size
     return Envelope(header=header, blobs=blobs)
 
@@ -99,9 +110,22 @@ async def write_frame(writer: asyncio.StreamWriter, data: bytes) -> None:
     await writer.drain()
 
 
-async def read_frame(reader: asyncio.StreamReader, *, max_bytes: int) -> bytes:
-    """Read one frame; refuse (without reading the body) if it announces more than `max_bytes`."""
+async def read_frame(reader: asyncio.StreamReader, *, max_bytes: int) -> bytearray:
+    """Read one frame; refuse (without reading the body) if it announces more than `max_bytes`.
+
+    The body goes into a buffer of its final size, which the caller owns (decoded tensors may keep using
+    it), instead of `readexactly`'s growing buffer and the copy it returns.
+    """
     (length,) = _FRAME_LEN.unpack(await reader.readexactly(_FRAME_LEN.size))
     if length > max_bytes:
         raise PayloadTooLarge(f"frame of {length} bytes exceeds the limit of {max_bytes}", size_bytes=length)
-    return await reader.readexactly(length)
+    body = bytearray(length)
+    view = memoryview(body)
+    received = 0
+    while received < length:
+        chunk = await reader.read(min(length - received, _READ_CHUNK_BYTES))
+        if not chunk:
+            raise asyncio.IncompleteReadError(bytes(view[:received]), length)
+        view[received : received + len(chunk)] = chunk
+        received += len(chunk)
+    return body
