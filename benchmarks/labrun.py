@@ -1,0 +1,113 @@
+"""Run N processes in a namespaced lab with given link rates: for benchmarks that need real shaped links.
+
+Usage::
+
+    with LabRun([100, 100, 25, 200]) as lab:        # Mbit/s, both directions; None = unshaped
+        argv = [sys.executable, "-m", "benchmarks.probe_peer", "serve", "--host", lab.addresses[0]]
+        proc = lab.start(0, argv)
+        line = lab.wait_json(0, "peer_id", timeout_s=60)   # first JSON line of its stdout with that key
+
+Each process runs in namespace ``<prefix>-<i>`` at ``lab.addresses[i]`` (198.18.0.0/15), stdout and
+stderr go to ``<workdir>/<i>.log``; leaving the block kills every process and removes the lab, including
+after an exception. Needs root. Shared with the averaging benchmarks (our ring vs hivemind's averager).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from ravnest_p2p.lab import NetnsLab, parse_profile
+
+__all__ = ["LabRun"]
+
+
+class LabRun:
+    """A lab of ``len(rates_mbps)`` namespaces with symmetric shaped links, and the processes in it."""
+
+    def __init__(self, rates_mbps: Sequence[float | None], *, prefix: str | None = None) -> None:
+        peers: list[dict[str, Any]] = []
+        for i, rate in enumerate(rates_mbps):
+            peer: dict[str, Any] = {"name": f"n{i}"}
+            if rate is not None:
+                peer.update(upload_mbps=rate, download_mbps=rate)
+            peers.append(peer)
+        self.rates_mbps = list(rates_mbps)
+        self.lab = NetnsLab(
+            parse_profile({"run_id": "labrun", "peers": peers}), prefix=prefix or f"rvb{secrets.token_hex(2)}"
+        )
+        self.addresses = [self.lab.address_of(i) for i in range(len(peers))]
+        self.workdir = Path(tempfile.mkdtemp(prefix="ravnest-labrun-"))
+        self.procs: dict[int, list[subprocess.Popen[bytes]]] = {}
+
+    def log_path(self, index: int) -> Path:
+        return self.workdir / f"{index}.log"
+
+    def start(
+        self, index: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start ``argv`` in namespace ``index``; output appended to `log_path`."""
+        proc = self.lab.run_in_ns(
+            index,
+            list(argv),
+            env={"PYTHONUNBUFFERED": "1", **(env or {})},
+            log_path=self.log_path(index),
+            stdin=subprocess.DEVNULL,
+        )
+        self.procs.setdefault(index, []).append(proc)
+        return proc
+
+    def json_lines(self, index: int) -> list[dict[str, Any]]:
+        """Every JSON object printed so far by the processes of namespace ``index``."""
+        out = []
+        try:
+            text = self.log_path(index).read_text(errors="replace")
+        except OSError:
+            return []
+        for line in text.splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+        return out
+
+    def wait_json(self, index: int, key: str, *, timeout_s: float, count: int = 1) -> list[dict[str, Any]]:
+        """Wait until namespace ``index`` printed ``count`` JSON lines holding ``key``; return them."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = [line for line in self.json_lines(index) if key in line]
+            if len(found) >= count:
+                return found
+            for proc in self.procs.get(index, []):
+                if proc.poll() is not None and proc.returncode != 0:
+                    raise RuntimeError(f"process in ns {index} exited {proc.returncode}: {self.tail(index)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"ns {index}: no {count} lines with {key!r} in {timeout_s}s: {self.tail(index)}"
+                )
+            time.sleep(0.2)  # polling a log file, bounded by the deadline
+
+    def tail(self, index: int, num_chars: int = 1500) -> str:
+        try:
+            return self.log_path(index).read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return ""
+
+    def __enter__(self) -> LabRun:
+        self.lab.up()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.lab.down()
+        shutil.rmtree(self.workdir, ignore_errors=True)
