@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from collections.abc import Sequence
 
 from ravnest_p2p.cli_common import OneLineArgumentParser, fail, run_loop
 from ravnest_p2p.discovery import PeerDirectory, PeerRecord, RunDHT
 from ravnest_p2p.errors import RavnestError
+from ravnest_p2p.membership import DhtPlanBoard
 from ravnest_p2p.transport import HostConfig, P2PTransport, load_or_create_identity
 
-__all__ = ["fetch_peers", "format_table", "main"]
+__all__ = ["fetch_peers", "fetch_run", "format_plan", "format_table", "main"]
 
 PROG = "python -m ravnest_p2p.status"
 
@@ -20,6 +22,14 @@ async def fetch_peers(
     initial_peers: Sequence[str], run_id: str, *, timeout_s: float = 20.0
 ) -> list[PeerRecord]:
     """Join as a DHT client through `initial_peers` and return the run's valid records, sorted by peer id."""
+    records, _, _ = await fetch_run(initial_peers, run_id, timeout_s=timeout_s)
+    return records
+
+
+async def fetch_run(
+    initial_peers: Sequence[str], run_id: str, *, timeout_s: float = 20.0
+) -> tuple[list[PeerRecord], int, dict[str, str]]:
+    """Records (sorted by peer id), the newest epoch they report, and the ``plan/<epoch>`` digests."""
     transport = await P2PTransport.create(
         HostConfig(initial_peers=tuple(initial_peers), client_mode=True, startup_timeout_s=timeout_s),
         load_or_create_identity(None),
@@ -28,22 +38,34 @@ async def fetch_peers(
         dht = await RunDHT.create(transport, run_id=run_id, initial_peers=initial_peers, client_mode=True)
         try:
             peers = await PeerDirectory(dht).refresh()
+            epoch = max((r.epoch for r in peers.values()), default=0)
+            digests = await DhtPlanBoard(dht).read(epoch)
         finally:
             await dht.aclose()
     finally:
         await transport.aclose()
-    return sorted(peers.values(), key=lambda r: r.peer_id)
+    return sorted(peers.values(), key=lambda r: r.peer_id), epoch, digests
+
+
+def format_plan(records: Sequence[PeerRecord], epoch: int, digests: dict[str, str]) -> str:
+    """One line: the epoch, how many clusters/stages records report, and agreement on the digest."""
+    placed = [r for r in records if r.epoch == epoch and r.cluster is not None]
+    num_clusters = len({r.cluster for r in placed})
+    top = Counter(digests.values()).most_common(1)
+    agree = f"{top[0][1]}/{len(digests)} agree on {top[0][0][:12]}" if top else "no digest published"
+    return f"epoch {epoch}: {num_clusters} clusters, {len(placed)} stages placed; plan digests: {agree}"
 
 
 def format_table(records: Sequence[PeerRecord]) -> str:
     columns = [("peer", "<14"), ("state", "<9"), ("GFLOP/s", ">9"), ("mem GB", ">7")]
-    columns += [("up Mb/s", ">9"), ("down Mb/s", ">9"), ("rtt ms", ">7")]
+    columns += [("up Mb/s", ">9"), ("down Mb/s", ">9"), ("rtt ms", ">7"), ("epoch", ">5"), ("cl/st", ">7")]
     lines = [" ".join(f"{name:{spec}}" for name, spec in columns)]
     for r in records:
         rtt = f"{r.rtt_ms:.1f}" if r.rtt_ms is not None else "-"
+        place = f"{r.cluster}/{r.stage}" if r.cluster is not None else "-"
         lines.append(
             f"…{r.peer_id[-12:]:<13} {r.state:<9} {r.flops / 1e9:>9.1f} {r.free_memory_bytes / 2**30:>7.1f} "
-            f"{r.upload_mbps:>9.1f} {r.download_mbps:>9.1f} {rtt:>7}"
+            f"{r.upload_mbps:>9.1f} {r.download_mbps:>9.1f} {rtt:>7} {r.epoch:>5} {place:>7}"
         )
     lines.append(f"{len(records)} peers")
     return "\n".join(lines)
@@ -58,13 +80,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     async def run() -> int:
         try:
-            records = await fetch_peers(args.initial_peers, args.run_id)
+            records, epoch, digests = await fetch_run(args.initial_peers, args.run_id)
         except RavnestError as exc:
             fail(str(exc), prog=PROG)
         if args.json:
-            print(json.dumps({"run_id": args.run_id, "peers": [r.model_dump(mode="json") for r in records]}))
+            peers_json = [r.model_dump(mode="json") for r in records]
+            out = {"run_id": args.run_id, "epoch": epoch, "plan_digests": digests, "peers": peers_json}
+            print(json.dumps(out))
         else:
             print(format_table(records))
+            print(format_plan(records, epoch, digests))
         return 0
 
     return run_loop(run())

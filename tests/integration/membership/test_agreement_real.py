@@ -11,6 +11,7 @@ from ravnest_p2p.measurement import ProbeConfig
 from ravnest_p2p.membership import DhtPlanBoard, MembershipConfig
 from ravnest_p2p.node import EmulationConfig, Peer, PeerConfig
 from ravnest_p2p.planning import Plan
+from ravnest_p2p.status import fetch_run, format_plan
 from ravnest_p2p.transport import HostConfig, P2PTransport, load_or_create_identity
 from ravnest_p2p.utils import wait_until
 
@@ -106,6 +107,10 @@ async def test_twelve_peers_agree_replan_after_crash_and_ignore_a_liar():
             return all(records[pid].epoch == plan.epoch for pid in ids if pid in records)
 
         await wait_until(positions_published, 20, message="records carry the epoch")
+        records, epoch, digests = await fetch_run(first.maddrs, "membership-it")
+        assert epoch == plan.epoch
+        assert digests.get(first.peer_id) == plan.digest()
+        assert f"epoch {plan.epoch}: {len(plan.clusters)} clusters" in format_plan(records, epoch, digests)
 
         victim = peers.pop()
         await victim.aclose(drain=False)  # a crash: its record simply expires
