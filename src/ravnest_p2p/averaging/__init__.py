@@ -1,7 +1,8 @@
 """Multi-ring all-reduce across clusters: shard map, rings, delayed (overlapped) averaging."""
 
+from ravnest_p2p.averaging.base import RingConfig, RingMetrics, RoundMetrics
 from ravnest_p2p.averaging.overlap import Averager, AveragerConfig, delayed_average
-from ravnest_p2p.averaging.ring import RingAllReduce, RingConfig, RingMetrics, RoundMetrics
+from ravnest_p2p.averaging.ring import RingAllReduce
 from ravnest_p2p.averaging.shards import (
     Shard,
     ShardMap,

@@ -30,7 +30,8 @@ from collections.abc import Callable, Mapping
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ravnest_p2p.averaging.ring import RingAllReduce, RoundMetrics
+from ravnest_p2p.averaging.base import RoundMetrics
+from ravnest_p2p.averaging.ring import RingAllReduce
 from ravnest_p2p.averaging.shards import ShardMap
 from ravnest_p2p.utils.aio import TaskOwner, run_in_compute_thread
 

@@ -42,11 +42,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
+from ravnest_p2p.averaging.base import RingConfig, RingMetrics, RoundMetrics, flatten_shard, split_shard
 from ravnest_p2p.averaging.messages import (
     RING_GATHER,
     RING_REDUCE,
@@ -60,57 +59,12 @@ from ravnest_p2p.averaging.session import Phase, RingRefused, RingSession, wire_
 from ravnest_p2p.averaging.shards import Shard, ShardMap
 from ravnest_p2p.errors import TransportError
 from ravnest_p2p.transport import CallContext, Compression, RpcEndpoint, decode_tensor, encode_tensor
-from ravnest_p2p.utils.aio import run_in_compute_thread
 
-__all__ = ["RingAllReduce", "RingConfig", "RingMetrics", "RoundMetrics"]
+__all__ = ["RingAllReduce"]
 
 logger = logging.getLogger(__name__)
 
-_INLINE_NUMEL = 1 << 20  # flatten/split larger shards on the compute thread
 _UNSERVE_TIMEOUT_S = 5.0
-
-
-class RingConfig(BaseModel):
-    """How rings move data and how long they wait."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    part_size_bytes: int = Field(default=2 << 20, ge=1024, le=32 << 20)
-    parts_in_flight: int = Field(default=4, ge=1, le=64)
-    compression: Compression = Compression.NONE
-    step_timeout_s: float = Field(default=10.0, gt=0)
-    round_timeout_s: float = Field(default=120.0, gt=0)
-    probe_timeout_s: float = Field(default=2.0, gt=0)
-    max_attempts: int = Field(default=3, ge=1, le=100)
-    max_buffered_messages: int = Field(default=256, ge=0)
-    max_buffered_bytes: int = Field(default=256 << 20, ge=0)
-
-
-@dataclass
-class RingMetrics:
-    ring_id: str
-    numel: int
-    participants: tuple[str, ...]
-    attempts: int
-    time_s: float
-    bytes_sent: int
-    bytes_received: int
-
-
-@dataclass
-class RoundMetrics:
-    """What one round cost at this peer (bytes are tensor payloads, without headers)."""
-
-    round: int
-    time_s: float
-    bytes_sent: int
-    bytes_received: int
-    rings: list[RingMetrics] = field(default_factory=list)
-
-    @property
-    def participants(self) -> dict[str, tuple[str, ...]]:
-        """Ring id → the members whose values are in that ring's average."""
-        return {r.ring_id: r.participants for r in self.rings}
 
 
 class _AttemptFailed(Exception):
@@ -209,7 +163,7 @@ class RingAllReduce:
     ) -> tuple[dict[str, torch.Tensor], RingMetrics]:
         started = time.monotonic()
         parts = [tensors[n] for n in shard.names]
-        local = await _flatten_async(parts, shard.numel)
+        local = await flatten_shard(parts, shard.numel)
         part_numel = max(1, self.config.part_size_bytes // 4)
         session = RingSession(
             ring_id=shard.ring_id,
@@ -247,7 +201,7 @@ class RingAllReduce:
         finally:
             session.finish(done=True)
             self._notify()
-        named = await _split_async(result, shard, tensors)
+        named = await split_shard(result, shard, tensors)
         metrics = RingMetrics(
             ring_id=shard.ring_id,
             numel=shard.numel,
@@ -374,12 +328,14 @@ class RingAllReduce:
     ) -> PartAck:
         if len(tensors) != 1:
             raise RingRefused("wrong_shape", f"expected one tensor, got {len(tensors)}")
-        session = await self._session_for(msg, tensors[0].numel() * tensors[0].element_size())
+        session = await self._session_for(
+            msg, ctx.remote_peer_id, tensors[0].numel() * tensors[0].element_size()
+        )
         session.accept(phase, msg, tensors[0], ctx.remote_peer_id)
         session.bytes_received += wire_bytes(tensors[0].numel(), self.config.compression)
         return PartAck()
 
-    async def _session_for(self, msg: PartMessage, size_bytes: int) -> RingSession:
+    async def _session_for(self, msg: PartMessage, sender: str, size_bytes: int) -> RingSession:
         """The running session `msg` belongs to, waiting (bounded) if this member is not there yet."""
         deadline = time.monotonic() + self.config.step_timeout_s
         while True:
@@ -394,7 +350,7 @@ class RingAllReduce:
                     or (msg.attempt == session.attempt and not session.running)
                 ):
                     raise RingRefused("stale_attempt", f"{msg.ring_id}: attempt {msg.attempt} is over")
-                if session.running:  # a later attempt exists, so mine failed somewhere
+                if session.running and sender in session.members:  # a member is ahead: mine failed
                     session.stop_attempt()
                     self._notify()
                     changed = self._changed
@@ -432,32 +388,3 @@ class RingAllReduce:
         return StatusReply(
             alive=True, attempt=max(session.attempt, 0), done=session.done, members=list(session.members)
         )
-
-
-def _flatten(parts: list[torch.Tensor]) -> torch.Tensor:
-    if not parts:
-        return torch.zeros(0)
-    return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in parts])
-
-
-def _split(flat: torch.Tensor, shard: Shard, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out, offset = {}, 0
-    for name, numel in zip(shard.names, shard.numels, strict=True):
-        ref = like[name]
-        out[name] = flat[offset : offset + numel].reshape(ref.shape).to(ref.dtype).clone()
-        offset += numel
-    return out
-
-
-async def _flatten_async(parts: list[torch.Tensor], numel: int) -> torch.Tensor:
-    if numel <= _INLINE_NUMEL:
-        return _flatten(parts)
-    return await run_in_compute_thread(_flatten, parts)
-
-
-async def _split_async(
-    flat: torch.Tensor, shard: Shard, like: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    if shard.numel <= _INLINE_NUMEL:
-        return _split(flat, shard, like)
-    return await run_in_compute_thread(_split, flat, shard, like)

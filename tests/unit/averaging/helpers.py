@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ravnest_p2p.averaging.ring import RingAllReduce, RingConfig
+from ravnest_p2p.averaging import RingAllReduce, RingConfig
 from ravnest_p2p.averaging.shards import ShardMap, build_shard_map
 from ravnest_p2p.transport import FakeNetwork, RpcEndpoint
 

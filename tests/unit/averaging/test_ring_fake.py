@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from ravnest_p2p.averaging.ring import RingConfig
+from ravnest_p2p.averaging import RingConfig
 from ravnest_p2p.transport import Compression
 from tests.unit.averaging.helpers import fake_swarm, mean_of, owned, replica
 
@@ -143,3 +143,16 @@ async def test_round_without_answering_peers_returns_local_values_by_the_deadlin
     for name, value in averaged.items():
         assert torch.equal(value, replicas[0][name])
     assert all(r.participants == (peer,) for r in metrics.rings)
+
+
+async def test_stalled_member_that_never_joins_the_round_is_dropped():
+    config = SMALL_PARTS.model_copy(update={"step_timeout_s": 0.5})
+    _net, shard_map, servers, cluster_of = await fake_swarm(3, config)
+    replicas = [replica(seed) for seed in range(3)]
+    stalled = [p for p, c in cluster_of.items() if c == 0]  # serving, but never starts the round
+    results = await asyncio.wait_for(run_round(servers, shard_map, replicas, cluster_of, skip=stalled), 10)
+    survivors_mean = mean_of(replicas[1:])
+    for averaged, metrics in results.values():
+        assert all(len(r.participants) == 2 for r in metrics.rings)
+        for name, value in averaged.items():
+            torch.testing.assert_close(value.double(), survivors_mean[name], atol=1e-6, rtol=0)

@@ -5,8 +5,8 @@ import asyncio
 import pytest
 import torch
 
+from ravnest_p2p.averaging import RingAllReduce, RingConfig
 from ravnest_p2p.averaging.messages import RING_GATHER, RING_REDUCE, PartAck, PartMessage
-from ravnest_p2p.averaging.ring import RingAllReduce, RingConfig
 from ravnest_p2p.averaging.shards import build_shard_map
 from ravnest_p2p.errors import RemoteError
 from ravnest_p2p.transport import FakeNetwork, RpcEndpoint
