@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -147,6 +148,39 @@ def _run_once(link_mbps: float, quick: bool, workdir: Path) -> dict[str, Any]:
     return {"results": results, "job": job, "split": split, "elapsed_s": time.monotonic() - started}
 
 
+_SINGLE_PROCESS = """
+import json, resource, sys, time
+import torch
+torch.set_num_threads(1)
+from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.stages import build_stage, load_dataset, num_layers, train_batches
+job = JobSpec.model_validate_json(sys.argv[1])
+train, _ = load_dataset(job)
+stage = build_stage(job, 0, num_layers(job), max_in_flight=1)
+start = time.perf_counter()
+n = 0
+for mb, (x, y) in enumerate(train_batches(job, train, cluster_index=0, num_clusters=1)):
+    stage.forward_loss(mb, x, y)
+    n += x.shape[0]
+elapsed = time.perf_counter() - start
+print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "samples_per_s": n / elapsed}))
+"""
+
+
+def _single_process(job: JobSpec) -> dict[str, float]:
+    """Peak RSS (and speed, one unthrottled thread) of training the whole model in one process."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _SINGLE_PROCESS, job.model_dump_json()],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    )
+    result: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
 def _summarise(run: dict[str, Any], link_mbps: float) -> dict[str, Any]:
     job: JobSpec = run["job"]
     boundary = _boundary_bytes(job, run["split"])
@@ -166,6 +200,8 @@ def _summarise(run: dict[str, Any], link_mbps: float) -> dict[str, Any]:
         row[f"{key}_peak_rss_mb"] = max(m["peak_memory_bytes"] for m in metrics) / 2**20
         row[f"{key}_stage_compute_ms"] = "/".join(f"{c * 1000:.1f}" for c in compute_per_mb)
     row["link_ms"] = "/".join(f"{s * 1000:.1f}" for s in link_s)
+    single = _single_process(job)
+    row["single_process_peak_rss_mb"] = single["peak_rss_mb"]
     window = default_window(len(run["split"]))
     row["async_over_gpipe"] = row[f"async_w{window}_samples_per_s"] / row[f"gpipe_w{window}_samples_per_s"]
     return row
