@@ -29,8 +29,15 @@ class Transport(Protocol):
     async def remove_handler(self, name: str) -> None: ...
 
     async def call(
-        self, peer_id: str, name: str, data: bytes, *, stream: bool, max_response_bytes: int
-    ) -> bytes | bytearray: ...
+        self,
+        peer_id: str,
+        name: str,
+        data: bytes | Sequence[bytes | bytearray | memoryview],
+        *,
+        stream: bool,
+        max_response_bytes: int,
+    ) -> bytes | bytearray:
+        """Send a request (whole, or as pieces sent without joining them) and return the reply."""
 
     def add_addresses(self, peer_id: str, maddrs: Sequence[str]) -> None:
         """Remember where a peer listens, so a later call can dial it directly."""

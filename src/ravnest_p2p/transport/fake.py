@@ -62,8 +62,15 @@ class FakeTransport:
         self._handlers.pop(name, None)
 
     async def call(
-        self, peer_id: str, name: str, data: bytes, *, stream: bool, max_response_bytes: int
+        self,
+        peer_id: str,
+        name: str,
+        data: bytes | Sequence[bytes | bytearray | memoryview],
+        *,
+        stream: bool,
+        max_response_bytes: int,
     ) -> bytes:
+        data = data if isinstance(data, bytes) else b"".join(data)
         target = self._network.lookup(peer_id)
         try:
             handler, max_request_bytes = target._handlers[name]

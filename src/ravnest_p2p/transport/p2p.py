@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ravnest_p2p.errors import ConfigError, PayloadTooLarge, PeerUnreachable, TransportError
 from ravnest_p2p.transport.base import UNARY_LIMIT_BYTES, RawHandler
 from ravnest_p2p.transport.identity import Identity
-from ravnest_p2p.transport.wire import error_envelope, read_frame, write_frame
+from ravnest_p2p.transport.wire import error_envelope, frame_size, read_frame, write_frame
 
 __all__ = ["HostConfig", "P2PTransport"]
 
@@ -210,7 +210,13 @@ class P2PTransport:
             await self._p2p.remove_binary_stream_handler(name + _STREAM_SUFFIX)
 
     async def call(
-        self, peer_id: str, name: str, data: bytes, *, stream: bool, max_response_bytes: int
+        self,
+        peer_id: str,
+        name: str,
+        data: bytes | Sequence[bytes | bytearray | memoryview],
+        *,
+        stream: bool,
+        max_response_bytes: int,
     ) -> bytes | bytearray:
         await self._ensure_connected(peer_id)
         try:
@@ -218,9 +224,10 @@ class P2PTransport:
         except Exception:
             raise PeerUnreachable(f"{peer_id!r} is not a peer id") from None
         try:
-            if not stream and len(data) <= UNARY_LIMIT_BYTES:
+            if not stream and frame_size(data) <= UNARY_LIMIT_BYTES:
+                whole = data if isinstance(data, bytes) else b"".join(data)
                 reply = await self._p2p.call_protobuf_handler(
-                    remote, name, BytesValue(value=data), BytesValue
+                    remote, name, BytesValue(value=whole), BytesValue
                 )
                 if len(reply.value) > max_response_bytes:
                     raise PayloadTooLarge(f"reply of {len(reply.value)} bytes exceeds {max_response_bytes}")

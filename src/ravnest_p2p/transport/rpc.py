@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from ravnest_p2p.errors import DeadlineExceeded, InvalidMessage, RemoteError, TransportError
 from ravnest_p2p.transport.base import Transport
 from ravnest_p2p.transport.codec import Compression, decode_tensor, encode_tensor_parts
-from ravnest_p2p.transport.wire import decode_envelope, encode_envelope, error_envelope
+from ravnest_p2p.transport.wire import Buffer, decode_envelope, encode_envelope_parts, error_envelope
 
 __all__ = ["CallContext", "Reply", "RpcEndpoint", "RpcMethod"]
 
@@ -60,11 +60,17 @@ HandlerResult = BaseModel | tuple[BaseModel, Sequence[torch.Tensor]]
 Handler = Callable[[Any, list[torch.Tensor], CallContext], Awaitable[HandlerResult]]
 
 
+def _encode_parts(
+    kind: str, message: BaseModel, tensors: Sequence[torch.Tensor], compression: Compression
+) -> list[Buffer]:
+    blobs = [encode_tensor_parts(t, compression) for t in tensors]
+    return encode_envelope_parts({"kind": kind, "body": message.model_dump(mode="json")}, blobs)
+
+
 def _encode(
     kind: str, message: BaseModel, tensors: Sequence[torch.Tensor], compression: Compression
 ) -> bytes:
-    blobs = [encode_tensor_parts(t, compression) for t in tensors]
-    return encode_envelope({"kind": kind, "body": message.model_dump(mode="json")}, blobs)
+    return b"".join(_encode_parts(kind, message, tensors, compression))
 
 
 def _decode_body(model: type[RespT], body: Any) -> RespT:
@@ -142,7 +148,10 @@ class RpcEndpoint:
         compression: Compression | None = None,
     ) -> Reply[RespT]:
         """Call `method` on `peer_id`; raise `RemoteError`, `DeadlineExceeded` or `PeerUnreachable`."""
-        data = _encode("request", request, tensors, self.compression if compression is None else compression)
+        # pieces: a big tensor goes from its own memory to the stream, without an intermediate copy
+        data = _encode_parts(
+            "request", request, tensors, self.compression if compression is None else compression
+        )
         try:
             raw = await asyncio.wait_for(
                 self.transport.call(

@@ -24,7 +24,9 @@ __all__ = [
     "Envelope",
     "decode_envelope",
     "encode_envelope",
+    "encode_envelope_parts",
     "error_envelope",
+    "frame_size",
     "read_frame",
     "write_frame",
 ]
@@ -49,16 +51,20 @@ Buffer = bytes | bytearray | memoryview
 
 
 def encode_envelope(header: dict[str, Any], blobs: Sequence[Buffer | Sequence[Buffer]] = ()) -> bytes:
-    """Build an envelope; a blob may be given as a list of pieces, joined here with everything else.
+    """Build an envelope; a blob may be given as a list of pieces, joined here with everything else."""
+    return b"".join(encode_envelope_parts(header, blobs))
 
-    One join for the whole message: the only copy of tensor data on the sending side.
-    """
+
+def encode_envelope_parts(
+    header: dict[str, Any], blobs: Sequence[Buffer | Sequence[Buffer]] = ()
+) -> list[Buffer]:
+    """`encode_envelope` as pieces, for `write_frame`: tensor data is sent from the tensor, never copied."""
     pieces = [[b] if isinstance(b, bytes | bytearray | memoryview) else list(b) for b in blobs]
     full_header = {**header, "blobs": [sum(memoryview(x).nbytes for x in p) for p in pieces]}
     packed = msgpack.packb(full_header, use_bin_type=True)
     if len(packed) > MAX_HEADER_BYTES:
         raise PayloadTooLarge(f"header of {len(packed)} bytes exceeds {MAX_HEADER_BYTES}")
-    return b"".join([_MAGIC, _HEADER_LEN.pack(len(packed)), packed, *(x for p in pieces for x in p)])
+    return [_MAGIC + _HEADER_LEN.pack(len(packed)) + packed, *(x for p in pieces for x in p)]
 
 
 def error_envelope(code: str, message: str) -> bytes:
@@ -100,13 +106,22 @@ def decode_envelope(data: bytes | bytearray, *, max_bytes: int) -> Envelope:
     return Envelope(header=header, blobs=blobs)
 
 
-async def write_frame(writer: asyncio.StreamWriter, data: bytes) -> None:
-    """Write one length-prefixed frame in chunks, respecting the stream's back-pressure."""
-    writer.write(_FRAME_LEN.pack(len(data)))
-    view = memoryview(data)
-    for start in range(0, len(data), _WRITE_CHUNK_BYTES):
-        writer.write(view[start : start + _WRITE_CHUNK_BYTES])
-        await writer.drain()
+def frame_size(data: Buffer | Sequence[Buffer]) -> int:
+    """Bytes of a message given whole or as pieces."""
+    if isinstance(data, bytes | bytearray | memoryview):
+        return memoryview(data).nbytes
+    return sum(memoryview(piece).nbytes for piece in data)
+
+
+async def write_frame(writer: asyncio.StreamWriter, data: Buffer | Sequence[Buffer]) -> None:
+    """Write one length-prefixed frame (whole or in pieces) in chunks, respecting back-pressure."""
+    pieces = [data] if isinstance(data, bytes | bytearray | memoryview) else data
+    writer.write(_FRAME_LEN.pack(frame_size(data)))
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        for start in range(0, len(view), _WRITE_CHUNK_BYTES):
+            writer.write(view[start : start + _WRITE_CHUNK_BYTES])
+            await writer.drain()
     await writer.drain()
 
 
