@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -159,6 +159,9 @@ class StageService:
         self.failure: BaseException | None = None
         self._tasks = TaskOwner(f"stage{stage_index}")
         self._methods: list[RpcMethod[Any, Any]] = []
+        # called by the worker after every optimizer step with the step count; awaited, so a hook that
+        # must see quiet weights (e.g. the final averaging round) holds this stage's work meanwhile
+        self.on_step: Callable[[int], Awaitable[None]] | None = None
 
     # ----- lifecycle -------------------------------------------------------------------------------
     @property
@@ -305,6 +308,12 @@ class StageService:
                 pending.discard(work.micro_batch_id)
 
     async def _process(self, work: _Work) -> None:
+        steps_before = self.executor.num_steps
+        await self._process_work(work)
+        if self.on_step is not None and self.executor.num_steps != steps_before:
+            await self.on_step(self.executor.num_steps)
+
+    async def _process_work(self, work: _Work) -> None:
         ex = self.executor
         mb = work.micro_batch_id
         if work.kind == "eval":

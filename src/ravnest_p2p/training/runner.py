@@ -20,7 +20,8 @@ from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.runtime.service import PipelineConfig, StageService, default_window
 from ravnest_p2p.training.job import JobSpec, StagePlacement
 from ravnest_p2p.training.metrics import StageMetrics, metrics_key
-from ravnest_p2p.training.stages import build_stage, load_dataset, train_batches
+from ravnest_p2p.training.replicas import ReplicaAverager, shard_map_for
+from ravnest_p2p.training.stages import build_stage, load_dataset, steps_per_cluster, train_batches
 from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import TaskOwner
 
@@ -79,7 +80,7 @@ class StageRunner:
     def __init__(
         self,
         rpc: RpcEndpoint,
-        dht: RunDHT,
+        dht: RunDHT | None,
         job: JobSpec,
         placement: Placement,
         *,
@@ -95,6 +96,7 @@ class StageRunner:
         self.eval_loss: float | None = None
         self.eval_accuracy: float | None = None
         self.service: StageService | None = None
+        self.replicas: ReplicaAverager | None = None
         self._done = False
         self._tasks = TaskOwner("stage-runner")
 
@@ -118,6 +120,9 @@ class StageRunner:
             in_flight=len(service.executor.in_flight),
             bytes_sent=stats.bytes_sent,
             compute_s=stats.compute_s,
+            averaging_rounds=len(self.replicas.rounds) if self.replicas else 0,
+            averaging_bytes_sent=self.replicas.bytes_sent if self.replicas else 0,
+            last_round_s=self.replicas.rounds[-1].time_s if self.replicas and self.replicas.rounds else None,
             train_wall_s=stats.train_wall_s,
             eval_loss=self.eval_loss,
             eval_accuracy=self.eval_accuracy,
@@ -131,6 +136,8 @@ class StageRunner:
         metrics = self.metrics()
         if self.on_metrics is not None:
             self.on_metrics(metrics)
+        if self.dht is None:
+            return
         try:
             await self.dht.store_own(
                 metrics_key(self.placement.epoch), metrics.model_dump(mode="json"), ttl_s=600
@@ -157,6 +164,15 @@ class StageRunner:
             stage_index=placement.stage_index,
             config=PipelineConfig(max_in_flight=window, compression=job.compression),
         )
+        smap = shard_map_for(job, epoch=placement.epoch)
+        if smap is not None:
+            train_len = len(load_dataset(job)[0])
+            final_step = steps_per_cluster(job, train_len, placement.num_clusters) // job.update_every
+            self.replicas = ReplicaAverager(
+                self.rpc, executor, smap, period_steps=job.averaging_period_steps, final_step=final_step
+            )
+            await self.replicas.start()
+            service.on_step = self.replicas.on_step
         await service.start()
         self._tasks.spawn(self._metrics_loop(), name="metrics")
         started = time.monotonic()
@@ -172,6 +188,8 @@ class StageRunner:
             await self._tasks.aclose()
             await self.publish_metrics()
             await service.aclose()
+            if self.replicas is not None:
+                await self.replicas.aclose()
         logger.info(
             "stage %d of cluster %d done in %.1fs",
             placement.stage_index,

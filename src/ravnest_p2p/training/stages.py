@@ -20,10 +20,11 @@ from ravnest_p2p.training.data import (
     load_digits,
     make_classification,
     make_regression,
+    num_batches,
 )
 from ravnest_p2p.training.job import JobSpec
 
-__all__ = ["build_stage", "load_dataset", "num_layers", "train_batches"]
+__all__ = ["build_stage", "load_dataset", "num_layers", "steps_per_cluster", "train_batches"]
 
 
 def num_layers(job: JobSpec) -> int:
@@ -90,20 +91,36 @@ def load_dataset(job: JobSpec) -> tuple[ArrayDataset, ArrayDataset]:
     )
 
 
+def steps_per_cluster(job: JobSpec, num_samples: int, num_clusters: int) -> int:
+    """Micro-batches every cluster trains: the same for all, so replicas pair averaging rounds by step."""
+    per_epoch = num_batches(num_samples, batch_size=job.batch_size, num_shards=num_clusters)
+    total = per_epoch * job.num_epochs
+    return min(total, job.max_steps) if job.max_steps is not None else total
+
+
 def train_batches(
     job: JobSpec, dataset: ArrayDataset, *, cluster_index: int, num_clusters: int
 ) -> Iterator[tuple[Tensor, Tensor]]:
-    """The cluster's micro-batches over all epochs (its own shard and shuffle), capped at `max_steps`."""
+    """The cluster's micro-batches over all epochs (its own shard and shuffle).
+
+    Every cluster yields exactly `steps_per_cluster` batches (shards differ by a sample at most; the
+    surplus batch of a larger shard is skipped), capped at `max_steps`.
+    """
+    per_epoch = num_batches(len(dataset), batch_size=job.batch_size, num_shards=num_clusters)
     steps = 0
     for epoch in range(job.num_epochs):
-        for batch in iterate_batches(
-            dataset,
-            batch_size=job.batch_size,
-            seed=job.seed,
-            epoch=epoch,
-            shard_index=cluster_index,
-            num_shards=num_clusters,
+        for index, batch in enumerate(
+            iterate_batches(
+                dataset,
+                batch_size=job.batch_size,
+                seed=job.seed,
+                epoch=epoch,
+                shard_index=cluster_index,
+                num_shards=num_clusters,
+            )
         ):
+            if index >= per_epoch:
+                break
             if job.max_steps is not None and steps >= job.max_steps:
                 return
             steps += 1

@@ -1,0 +1,130 @@
+"""Averaging a stage with the same parameters in the other clusters, overlapped with training.
+
+Every stage owner of every cluster derives the same shard map from the job's assignment (parameters
+keyed by global name, cut at every cluster's stage boundaries) and joins the rings of the shards it owns.
+Rounds are paired by optimizer step: round r starts on each replica when it finishes step
+r x `averaging_period_steps`, runs in the background (delayed averaging: the average of the snapshot,
+plus what the stage learned meanwhile), and is skipped by a replica whose previous round is still
+running — its ring partners then finish without it at their deadline rather than wait.
+
+At the last step every stage runs one more round synchronously, holding its pipeline work, so the
+replicas end training with identical weights (and evaluation sees them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from ravnest_p2p.averaging import (
+    Averager,
+    AveragerConfig,
+    RingAllReduce,
+    RingConfig,
+    RoundMetrics,
+    ShardMap,
+    build_shard_map,
+)
+from ravnest_p2p.models import build_model
+from ravnest_p2p.runtime.stage import StageExecutor
+from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.transport.rpc import RpcEndpoint
+from ravnest_p2p.utils import TaskOwner
+
+__all__ = ["FINAL_ROUND", "ReplicaAverager", "shard_map_for", "stage_entries"]
+
+logger = logging.getLogger(__name__)
+
+# The closing round's index: above any periodic round, the same on every replica.
+FINAL_ROUND = 2**40
+
+
+def stage_entries(job: JobSpec, first_layer: int, end_layer: int) -> list[tuple[str, int]]:
+    """(global name, numel) of the floating parameters and buffers of layers [first_layer, end_layer)."""
+    layers = build_model(job.model, job.model_params)
+    entries = []
+    for index in range(first_layer, end_layer):
+        for name, tensor in [*layers[index].named_parameters(), *layers[index].named_buffers()]:
+            if tensor.is_floating_point():
+                entries.append((f"{index}.{name}", tensor.numel()))
+    return entries
+
+
+def shard_map_for(job: JobSpec, *, epoch: int) -> ShardMap | None:
+    """The shard map of the job's explicit assignment, or None with fewer than two clusters."""
+    clusters = job.assignment or ()
+    if len(clusters) < 2:
+        return None
+    return build_shard_map(
+        [
+            [(s.peer_id, stage_entries(job, s.first_layer, s.end_layer)) for s in stages]
+            for stages in clusters
+        ],
+        epoch=epoch,
+    )
+
+
+class ReplicaAverager:
+    """Owns this stage's rings and rounds; plug `on_step` into `StageService.on_step`."""
+
+    def __init__(
+        self,
+        rpc: RpcEndpoint,
+        executor: StageExecutor,
+        shard_map: ShardMap,
+        *,
+        period_steps: int,
+        final_step: int,
+        config: RingConfig | None = None,
+    ) -> None:
+        self.rings = RingAllReduce(rpc, config or RingConfig())
+        self.executor = executor
+        self.period_steps = period_steps
+        self.final_step = final_step
+        self.averager = Averager(
+            AveragerConfig(period_steps=period_steps),
+            self.rings,
+            read=lambda: {**executor.parameters_by_name(), **executor.buffers_by_name()},
+            write=executor.assign_parameters,
+            shard_map=lambda: shard_map,
+        )
+        self._round: asyncio.Task[RoundMetrics | None] | None = None
+        self._tasks = TaskOwner("replica-averager")
+        self.rounds: list[RoundMetrics] = []
+        self.skipped = 0
+        self.final_done = False
+
+    async def start(self) -> None:
+        await self.rings.start()
+
+    async def _run(self, round_index: int) -> RoundMetrics | None:
+        metrics = await self.averager.run_round(round_index)
+        if metrics is not None:
+            self.rounds.append(metrics)
+        return metrics
+
+    async def on_step(self, step: int) -> None:
+        if step >= self.final_step and not self.final_done:
+            self.final_done = True
+            if self._round is not None:
+                with contextlib.suppress(Exception):
+                    await self._round  # never two rounds' snapshots interleaved
+            await self._run(FINAL_ROUND)
+            return
+        if self.period_steps and step % self.period_steps == 0:
+            if self._round is not None and not self._round.done():
+                self.skipped += 1
+                logger.info(
+                    "averaging round %d skipped: the previous one is still running", step // self.period_steps
+                )
+                return
+            self._round = self._tasks.spawn(self._run(step // self.period_steps), name="round")
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(r.bytes_sent for r in self.rounds)
+
+    async def aclose(self) -> None:
+        await self._tasks.aclose()
+        await self.rings.aclose()

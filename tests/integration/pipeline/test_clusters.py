@@ -1,0 +1,74 @@
+"""Two clusters x three stages, split at different points, averaged by rings while they train."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from ravnest_p2p.runtime.optim import OptimizerConfig
+from ravnest_p2p.training.job import JobSpec, StagePlacement
+from ravnest_p2p.training.local import local_hosts
+from ravnest_p2p.training.replicas import shard_map_for
+from ravnest_p2p.training.runner import StageRunner, find_placement
+from ravnest_p2p.transport import RpcEndpoint
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def two_clusters(peers: list[str]) -> tuple[tuple[StagePlacement, ...], ...]:
+    a = [(0, 1), (1, 2), (2, 4)]
+    b = [(0, 2), (2, 3), (3, 4)]
+    return (
+        tuple(
+            StagePlacement(peer_id=p, first_layer=f, end_layer=e)
+            for p, (f, e) in zip(peers[:3], a, strict=True)
+        ),
+        tuple(
+            StagePlacement(peer_id=p, first_layer=f, end_layer=e)
+            for p, (f, e) in zip(peers[3:], b, strict=True)
+        ),
+    )
+
+
+async def test_two_clusters_learn_and_agree_after_the_final_round():
+    async with local_hosts(6) as transports:
+        job = JobSpec(
+            job_id="two",
+            model="digits_cnn",
+            dataset="digits",
+            batch_size=32,
+            num_epochs=6,
+            seed=1,
+            optimizer=OptimizerConfig(name="adam", lr=3e-3),
+            averaging_period_steps=10,
+            assignment=two_clusters([t.peer_id for t in transports]),
+        )
+        shard_map = shard_map_for(job, epoch=0)
+        assert shard_map is not None
+        assert len(shard_map.shards) == 4  # cut at layers 1, 2, 3: the union of both clusters' boundaries
+        runners = [
+            StageRunner(RpcEndpoint(t, "job"), None, job, find_placement(job, t.peer_id)) for t in transports
+        ]
+        finals = await asyncio.gather(*(r.run() for r in runners))
+
+    firsts = [m for m in finals if m.stage == 0]
+    assert len(firsts) == 2
+    for m in firsts:
+        assert m.eval_accuracy is not None
+        assert m.eval_accuracy >= 0.97, firsts
+    # periodic rounds ran during training, plus the final one, on every stage
+    assert all(r.replicas is not None and len(r.replicas.rounds) >= 3 for r in runners)
+    # right after the final round the replicas hold the same weights
+    by_cluster: list[dict[str, torch.Tensor]] = [{}, {}]
+    for runner in runners:
+        assert runner.service is not None
+        executor = runner.service.executor
+        tensors = {**executor.parameters_by_name(), **executor.buffers_by_name()}
+        by_cluster[runner.placement.cluster_index].update(
+            {n: t.detach() for n, t in tensors.items() if t.is_floating_point()}
+        )
+    assert set(by_cluster[0]) == set(by_cluster[1])
+    for name, value in by_cluster[0].items():
+        torch.testing.assert_close(by_cluster[1][name], value, atol=1e-6, rtol=0, msg=name)
