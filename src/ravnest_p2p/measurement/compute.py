@@ -1,10 +1,13 @@
 """How fast this peer computes: matmul FLOP/s in the training dtype on the chosen device.
 
 A square matmul is the dominant cost of the layers we train, so its rate is the planner's unit of
-compute. The probe grows the matrix until one multiply takes a measurable time, then takes the best of
-a few repeats (the best, not the mean: other processes only ever slow us down). It stays under about a
-second and the result is cached per host + device + dtype + thread count, because a volunteer restarting
-a peer should not pay for it again.
+compute. The probe grows the matrix until one multiply takes a measurable time, then measures the
+*sustained* rate: total FLOPs over the wall time of back-to-back multiplies for several scheduler
+periods. A best-of-N single multiply would be wrong on a CPU-capped peer (a cgroup quota lets a short
+burst run at full speed and then stalls the process for the rest of its 100 ms period), and volunteers
+do run peers in containers with CPU limits. It stays under about a second and the result is cached per
+host + device + dtype + thread count + CPU quota, so a restarted peer does not pay for it again but a
+re-limited one measures afresh.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["measure_matmul_flops"]
+__all__ = ["cpu_quota", "measure_matmul_flops"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,33 +33,75 @@ def _cache_path() -> Path:
     return Path(base) / "ravnest_p2p" / "compute.json"
 
 
+def cpu_quota() -> str:
+    """This process's cgroup CPU limit as text ('max' when none is readable), for the cache key."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return "max"
+    for line in lines:
+        _, controllers, group = line.split(":", 2)
+        group = group.lstrip("/")
+        if controllers == "":  # cgroup v2
+            path = Path("/sys/fs/cgroup") / group / "cpu.max"
+        elif "cpu" in controllers.split(","):
+            path = Path("/sys/fs/cgroup/cpu") / group / "cpu.cfs_quota_us"
+            if not path.exists():
+                path = Path("/sys/fs/cgroup/cpu,cpuacct") / group / "cpu.cfs_quota_us"
+        else:
+            continue
+        try:
+            value = path.read_text().strip()
+        except OSError:
+            continue
+        if value not in ("-1", "max") and not value.startswith("max "):
+            return value
+    return "max"
+
+
 def _cache_key(device: str, dtype: str) -> str:
     return (
-        f"{socket.gethostname()}|{device}|{dtype}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+        f"{socket.gethostname()}|{device}|{dtype}|threads={torch.get_num_threads()}|quota={cpu_quota()}"
+        f"|torch={torch.__version__}"
     )
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _bench(device: torch.device, dtype: torch.dtype, budget_s: float) -> float:
+    # 1. size: grow until one multiply takes ~10 ms (a third of the budget at most)
     size = 128
-    best = 0.0
-    deadline = time.perf_counter() + budget_s
-    while time.perf_counter() < deadline:
+    sizing_deadline = time.perf_counter() + budget_s / 3
+    while True:
         a = torch.randn(size, size, device=device, dtype=dtype)
         b = torch.randn(size, size, device=device, dtype=dtype)
         torch.matmul(a, b)  # warm-up: allocator, kernels
         start = time.perf_counter()
         torch.matmul(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _sync(device)
         elapsed = time.perf_counter() - start
-        best = max(best, 2 * size**3 / max(elapsed, 1e-9))
-        if elapsed < 0.02 and size < 4096:
-            size *= 2
-    return best
+        if elapsed >= 0.01 or size >= 4096 or time.perf_counter() > sizing_deadline:
+            break
+        size *= 2
+    # 2. sustained: back-to-back multiplies over several 100 ms scheduler periods
+    flops_each = 2 * size**3
+    count = 0
+    start = time.perf_counter()
+    while True:
+        torch.matmul(a, b)
+        count += 1
+        if count % 4 == 0:
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            if elapsed >= budget_s * 2 / 3:
+                return count * flops_each / elapsed
 
 
 def measure_matmul_flops(
-    device: str = "cpu", dtype: str = "float32", *, budget_s: float = 0.6, use_cache: bool = True
+    device: str = "cpu", dtype: str = "float32", *, budget_s: float = 0.9, use_cache: bool = True
 ) -> float:
     """Measured FLOP/s of a matmul in `dtype` on `device` (cached per host/device/dtype/threads)."""
     if dtype not in _DTYPES:
