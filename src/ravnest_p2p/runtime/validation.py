@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ravnest_p2p.errors import InvalidMessage
 from ravnest_p2p.models.spec import TensorSpec
+from ravnest_p2p.transport.codec import all_finite
 
 __all__ = ["check_matches", "check_micro_batch_id", "check_tensor"]
 
@@ -25,7 +26,7 @@ def check_micro_batch_id(micro_batch_id: object) -> int:
 
 def _check_values(tensor: Tensor, what: str, high: int | None) -> None:
     if tensor.is_floating_point() or tensor.is_complex():
-        if not bool(torch.isfinite(tensor).all()):
+        if not all_finite(tensor):
             raise InvalidMessage(f"{what} contains NaN or inf")
     elif high is not None and tensor.numel() > 0:
         low_value, high_value = int(tensor.min()), int(tensor.max())

@@ -31,7 +31,14 @@ from hivemind.proto import runtime_pb2
 
 from ravnest_p2p.errors import CodecError
 
-__all__ = ["MAX_TENSOR_NUMEL", "Compression", "decode_tensor", "encode_tensor", "encode_tensor_parts"]
+__all__ = [
+    "MAX_TENSOR_NUMEL",
+    "Compression",
+    "all_finite",
+    "decode_tensor",
+    "encode_tensor",
+    "encode_tensor_parts",
+]
 
 # 2**31 elements is 8 GiB of fp32: no message of ours is ever near it; anything larger is forged.
 MAX_TENSOR_NUMEL = 2**31
@@ -82,13 +89,23 @@ def _read_varint(view: memoryview, pos: int) -> tuple[int, int] | None:
     return None
 
 
-def _all_finite(tensor: torch.Tensor) -> bool:
+def all_finite(tensor: torch.Tensor) -> bool:
     """True when no element is NaN or inf.
 
     A sum is NaN or inf whenever an element is, so a finite sum proves it in one pass with no temporary
     (``isfinite(...).all()`` was ~15x slower). Only a sum that overflows needs the exact element check.
+    The sum runs in numpy (one thread): torch's intra-op pool costs ~0.5 ms per call on a busy 2-core
+    host for a 50k-element tensor, 60x the work itself, and this runs on the event loop for every message.
     """
-    if tensor.numel() == 0 or bool(torch.isfinite(tensor.sum())):
+    if tensor.numel() == 0:
+        return True
+    if tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64, torch.float16):
+        array = tensor.detach().numpy()
+        with np.errstate(over="ignore", invalid="ignore"):
+            if np.isfinite(array.sum(dtype=np.float64 if array.dtype == np.float16 else None)):
+                return True
+        return bool(np.isfinite(array).all())
+    if bool(torch.isfinite(tensor.sum())):
         return True
     return bool(torch.isfinite(tensor).all())
 
@@ -202,6 +219,6 @@ def decode_tensor(
     if tuple(tensor.shape) != shape:
         raise CodecError(f"decoded shape {tuple(tensor.shape)} differs from declared {shape}")
     tensor = tensor.detach()
-    if require_finite and tensor.is_floating_point() and not _all_finite(tensor):
+    if require_finite and tensor.is_floating_point() and not all_finite(tensor):
         raise CodecError("tensor has non-finite values")
     return tensor
