@@ -15,6 +15,7 @@ ALL = [
     "bench_averaging",
     "bench_learning",
     "bench_pipeline_throughput",
+    "bench_overlap",
 ]
 
 

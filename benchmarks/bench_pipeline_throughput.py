@@ -22,23 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import record
-from ravnest_p2p.lab import NetnsLab, parse_profile
-from ravnest_p2p.lab.throttle import base_cpus_to_fit, thread_env
+from benchmarks.lab_training import run_jobs
 from ravnest_p2p.models import build_model, sample_input, trace_output_specs
 from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.runtime.service import default_window
-from ravnest_p2p.swarm import poll_until
 from ravnest_p2p.training.job import JobSpec
-from ravnest_p2p.transport import load_or_create_identity
 
 PAYLOAD_FACTOR = 0.957
 PORT = 31337
-
-
-def _profile(link_mbps: float) -> dict[str, Any]:
-    peers = [{"name": f"s{i}", "upload_mbps": link_mbps, "download_mbps": link_mbps} for i in range(3)]
-    peers.append({"name": "researcher"})
-    return {"run_id": "pipebench", "shaping": "htb", "peers": peers}
 
 
 def _job(quick: bool) -> tuple[JobSpec, list[tuple[int, int]]]:
@@ -71,80 +62,16 @@ def _boundary_bytes(job: JobSpec, split: list[tuple[int, int]]) -> list[int]:
 
 def _run_once(link_mbps: float, quick: bool, workdir: Path) -> dict[str, Any]:
     job, split = _job(quick)
-    profile = parse_profile(_profile(link_mbps), source="bench")
-    prefix = "rvp" + os.urandom(2).hex()
-    ids = [load_or_create_identity(workdir / f"id{i}.key") for i in range(3)]
-    base_cpus = base_cpus_to_fit([1.0, 1.0, 1.0], num_cpus=1.8)
-    with NetnsLab(profile, prefix=prefix) as lab:
-        throttles = []
-        procs = []
-        maddrs = [f"/ip4/{lab.address_of(i)}/tcp/{PORT}/p2p/{ids[i].peer_id}" for i in range(3)]
-        try:
-            for i in range(3):
-                throttle = lab.throttle_for(i, base_cpus=base_cpus)
-                throttle.create()
-                throttles.append(throttle)
-                argv = [
-                    sys.executable,
-                    "-m",
-                    "ravnest_p2p.peer",
-                    "--run-id",
-                    "pipebench",
-                    "--identity-path",
-                    str(ids[i].path),
-                    "--host-maddrs",
-                    f"/ip4/{lab.address_of(i)}/tcp/{PORT}",
-                    "--announce-maddrs",
-                    f"/ip4/{lab.address_of(i)}/tcp/{PORT}",
-                ]
-                if i > 0:
-                    argv += ["--initial-peers", maddrs[0]]
-                procs.append(
-                    lab.run_in_ns(
-                        i, argv, env=thread_env(1), log_path=workdir / f"peer{i}.log", throttle=throttle
-                    )
-                )
-                if i == 0:
-                    poll_until(
-                        lambda: "join with" in (workdir / "peer0.log").read_text(errors="replace"),
-                        60,
-                        what="stage peer 0 to start",
-                    )
-            out = workdir / "driver.json"
-            driver = lab.run_in_ns(
-                3,
-                [
-                    sys.executable,
-                    "-m",
-                    "benchmarks.pipeline_driver",
-                    "--initial-peers",
-                    maddrs[0],
-                    "--run-id",
-                    "pipebench",
-                    "--stage-peers",
-                    *[i.peer_id for i in ids],
-                    "--split",
-                    json.dumps(split),
-                    "--job",
-                    job.model_dump_json(),
-                    "--out",
-                    str(out),
-                    "--runs",
-                    f"async_1f1b:{len(split)}",
-                    f"async_1f1b:{default_window(len(split))}",
-                    f"gpipe:{default_window(len(split))}",
-                ],
-                log_path=workdir / "driver.log",
-                cwd=str(Path(__file__).resolve().parents[1]),
-            )
-            started = time.monotonic()
-            poll_until(lambda: driver.poll() is not None, 900, what="the pipeline driver", interval_s=1)
-            if driver.returncode != 0:
-                raise RuntimeError((workdir / "driver.log").read_text()[-3000:])
-            results = json.loads(out.read_text())
-        finally:
-            for throttle in throttles:
-                throttle.close()
+    window = default_window(len(split))
+    started = time.monotonic()
+    results = run_jobs(
+        num_peers=len(split),
+        link_mbps=link_mbps,
+        job=job,
+        split=split,
+        runs=[f"async_1f1b:{len(split)}", f"async_1f1b:{window}", f"gpipe:{window}"],
+        workdir=workdir,
+    )
     return {"results": results, "job": job, "split": split, "elapsed_s": time.monotonic() - started}
 
 

@@ -19,17 +19,25 @@ async def run(args: argparse.Namespace) -> list[dict]:
     results = []
     async with await RunClient.connect(args.initial_peers, args.run_id) as client:
         await client.wait_for_peers(len(args.stage_peers), timeout_s=180, measured=False)
+        split = json.loads(args.split)
+        per_cluster = len(split)
+        clusters = [
+            args.stage_peers[i : i + per_cluster] for i in range(0, len(args.stage_peers), per_cluster)
+        ]
         for run_spec in args.runs:
-            schedule, window = run_spec.split(":")
+            schedule, window, *rest = run_spec.split(":")
+            period = int(rest[0]) if rest else 0
             update = {
-                "job_id": f"{base.job_id}-{schedule}-{window}",
+                "job_id": f"{base.job_id}-{schedule}-{window}-{period}",
                 "schedule": schedule,
                 "max_in_flight": int(window),
-                "assignment": (
+                "averaging_period_steps": period,
+                "assignment": tuple(
                     tuple(
                         StagePlacement(peer_id=pid, first_layer=first, end_layer=end)
-                        for pid, (first, end) in zip(args.stage_peers, json.loads(args.split), strict=True)
-                    ),
+                        for pid, (first, end) in zip(peers, split, strict=True)
+                    )
+                    for peers in clusters
                 ),
             }
             if schedule == "gpipe":
@@ -41,6 +49,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
                 {
                     "schedule": schedule,
                     "window": int(window),
+                    "averaging_period_steps": period,
                     "metrics": [m.model_dump(mode="json") for m in final],
                 }
             )
@@ -51,10 +60,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--initial-peers", nargs="+", required=True)
     parser.add_argument("--run-id", required=True)
-    parser.add_argument("--stage-peers", nargs="+", required=True)
+    parser.add_argument("--stage-peers", nargs="+", required=True, help="peer ids, cluster by cluster")
     parser.add_argument("--split", required=True, help="JSON list of [first, end] per stage")
     parser.add_argument("--job", required=True, help="JobSpec JSON (without assignment)")
-    parser.add_argument("--runs", nargs="+", required=True, help="schedule:window, e.g. async_1f1b:7 gpipe:7")
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        required=True,
+        help="schedule:window[:averaging period], e.g. async_1f1b:7 gpipe:7",
+    )
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -17,12 +17,15 @@ __all__ = [
     "EVAL_RESULT",
     "FINISH",
     "FORWARD",
+    "READY",
     "Ack",
     "BackwardRequest",
     "EvalResult",
     "FinishRequest",
     "ForwardRequest",
     "Mode",
+    "ReadyReply",
+    "ReadyRequest",
 ]
 
 # Activations of one micro-batch; beyond this a sender must use smaller micro-batches.
@@ -93,3 +96,16 @@ BACKWARD = RpcMethod(
 )
 EVAL_RESULT = RpcMethod("eval_result", EvalResult, Ack, max_request_bytes=4096, max_tensors=0)
 FINISH = RpcMethod("finish", FinishRequest, Ack, max_request_bytes=4096, max_tensors=0)
+
+
+class ReadyRequest(_Msg):
+    epoch: int = _ID
+
+
+class ReadyReply(_Msg):
+    stage: int = Field(ge=0)
+
+
+# the first stage asks every other stage this before admitting micro-batches: peers pick up a job on
+# their own schedule, and a forward sent before the next stage serves it would be lost
+READY = RpcMethod("stage_ready", ReadyRequest, ReadyReply, max_request_bytes=4096, max_tensors=0)

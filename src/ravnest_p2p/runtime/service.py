@@ -41,12 +41,15 @@ from ravnest_p2p.runtime.messages import (
     EVAL_RESULT,
     FINISH,
     FORWARD,
+    READY,
     Ack,
     BackwardRequest,
     EvalResult,
     FinishRequest,
     ForwardRequest,
     Mode,
+    ReadyReply,
+    ReadyRequest,
 )
 from ravnest_p2p.runtime.stage import StageExecutor
 from ravnest_p2p.runtime.validation import check_tensor
@@ -176,6 +179,7 @@ class StageService:
         if not self.is_first:
             await self._serve(FORWARD, self._on_forward)
             await self._serve(FINISH, self._on_finish)
+            await self._serve(READY, self._on_ready)
         else:
             await self._serve(EVAL_RESULT, self._on_eval_result)
         if not self.is_last:
@@ -255,6 +259,28 @@ class StageService:
             raise InvalidMessage(f"no evaluation pending for micro-batch {req.micro_batch_id}")
         waiter.set_result(req)
         return Ack()
+
+    async def _on_ready(self, req: ReadyRequest, tensors: list[Tensor], ctx: CallContext) -> ReadyReply:
+        self._check_epoch(req.epoch)
+        return ReadyReply(stage=self.index)
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """First stage: wait (with a deadline) until every other stage of the cluster serves this epoch."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pending = list(self.peers[1:])
+        delay_s = 0.1
+        while pending:
+            peer = pending[0]
+            try:
+                await self.rpc.call(peer, READY, ReadyRequest(epoch=self.epoch), timeout_s=5.0)
+                pending.pop(0)
+                continue
+            except TransportError as exc:
+                if loop.time() + delay_s > deadline:
+                    raise RavnestError(f"stage peer {peer} not ready after {timeout_s:.0f}s: {exc}") from None
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, 2.0)
 
     async def _on_finish(self, req: FinishRequest, tensors: list[Tensor], ctx: CallContext) -> Ack:
         if ctx.remote_peer_id != self.peers[0]:
@@ -428,6 +454,8 @@ class StageService:
                 return
             except TransportError as exc:
                 logger.info("%s to %s failed (attempt %d): %s", method.name, peer, attempt, exc)
+                if attempt < self.config.send_attempts:
+                    await asyncio.sleep(0.2 * 2**attempt)  # a restarting daemon or a brief partition
         self._fail(RavnestError(f"{method.name} to {peer} failed {self.config.send_attempts} times"))
 
     def _fail(self, exc: BaseException) -> None:

@@ -200,6 +200,7 @@ class StageRunner:
 
     async def _drive(self, service: StageService) -> None:
         job, placement = self.job, self.placement
+        await service.wait_ready(timeout_s=120)
         train, held_out = load_dataset(job)
         batches = train_batches(
             job, train, cluster_index=placement.cluster_index, num_clusters=placement.num_clusters
