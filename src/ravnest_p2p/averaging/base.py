@@ -22,15 +22,13 @@ class RingConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    part_size_bytes: int = Field(default=2 << 20, ge=1024, le=32 << 20)
-    parts_in_flight: int = Field(default=4, ge=1, le=64)
+    part_size_bytes: int = Field(default=1 << 20, ge=1024, le=32 << 20)
     compression: Compression = Compression.NONE
     step_timeout_s: float = Field(default=10.0, gt=0)
     round_timeout_s: float = Field(default=120.0, gt=0)
     probe_timeout_s: float = Field(default=2.0, gt=0)
     max_attempts: int = Field(default=3, ge=1, le=100)
-    max_buffered_messages: int = Field(default=256, ge=0)
-    max_buffered_bytes: int = Field(default=256 << 20, ge=0)
+    max_buffered_messages: int = Field(default=256, ge=0)  # early streams waiting for their round
 
 
 @dataclass
@@ -70,7 +68,8 @@ def _split(flat: torch.Tensor, shard: Shard, like: Mapping[str, torch.Tensor]) -
     out, offset = {}, 0
     for name, numel in zip(shard.names, shard.numels, strict=True):
         ref = like[name]
-        out[name] = flat[offset : offset + numel].reshape(ref.shape).to(ref.dtype).clone()
+        # views of `flat`, a buffer made for this round that nobody else holds: no copy needed
+        out[name] = flat[offset : offset + numel].reshape(ref.shape).to(ref.dtype)
         offset += numel
     return out
 

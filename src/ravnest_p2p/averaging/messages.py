@@ -1,4 +1,4 @@
-"""Wire messages of the ring all-reduce: a chunk part, its acknowledgement, and the liveness probe."""
+"""Wire messages of the ring all-reduce: the hello of a ring stream and the liveness probe (an RPC)."""
 
 from __future__ import annotations
 
@@ -8,24 +8,18 @@ from ravnest_p2p.transport import RpcMethod
 from ravnest_p2p.types import WireModel
 
 __all__ = [
-    "RING_GATHER",
-    "RING_REDUCE",
     "RING_STATUS",
-    "PartAck",
-    "PartMessage",
     "StatusReply",
     "StatusRequest",
+    "StreamHello",
 ]
 
-# A part is at most a few MiB; the cap leaves room for the envelope and refuses anything bigger unread.
-MAX_PART_REQUEST_BYTES = 64 << 20
 
+class StreamHello(WireModel):
+    """The first frame of a ring stream: which ring, round and attempt every following part belongs to.
 
-class PartMessage(WireModel):
-    """One part of one chunk of a shard, sent to the next member of the ring.
-
-    The receiver derives everything else (expected chunk, part bounds, dtype) from its own session and
-    refuses the message unless every field matches.
+    The receiver derives everything else (expected chunks, part bounds) from its own session and refuses
+    the stream unless every field matches.
     """
 
     ring_id: str = Field(max_length=128)
@@ -33,13 +27,6 @@ class PartMessage(WireModel):
     round: int = Field(ge=0)
     attempt: int = Field(ge=0, le=1000)
     members_digest: str = Field(max_length=64)
-    step: int = Field(ge=0, le=100_000)
-    chunk: int = Field(ge=0, le=100_000)
-    part: int = Field(ge=0, le=10_000_000)
-
-
-class PartAck(WireModel):
-    ok: bool = True
 
 
 class StatusRequest(WireModel):
@@ -58,23 +45,5 @@ class StatusReply(WireModel):
     members: list[str] = Field(default_factory=list, max_length=1024)
 
 
-# Parts always travel over a libp2p stream (large_response=True), even below the 2 MiB unary cap: on
-# loopback, 1 MiB parts over unary calls averaged 16 MiB among 4 peers in ~1.6 s, over streams in ~0.7 s
-# (the unary path wraps each payload in protobuf messages and shares one control connection).
-RING_REDUCE = RpcMethod(
-    "ring_reduce",
-    PartMessage,
-    PartAck,
-    max_request_bytes=MAX_PART_REQUEST_BYTES,
-    max_tensors=1,
-    large_response=True,
-)
-RING_GATHER = RpcMethod(
-    "ring_gather",
-    PartMessage,
-    PartAck,
-    max_request_bytes=MAX_PART_REQUEST_BYTES,
-    max_tensors=1,
-    large_response=True,
-)
+# Parts travel over the ring's own streams (`frames.py`, `streams.py`); only the probe is an RPC.
 RING_STATUS = RpcMethod("ring_status", StatusRequest, StatusReply, max_request_bytes=4096, max_tensors=0)

@@ -46,19 +46,14 @@ from collections.abc import Mapping
 import torch
 
 from ravnest_p2p.averaging.base import RingConfig, RingMetrics, RoundMetrics, flatten_shard, split_shard
-from ravnest_p2p.averaging.messages import (
-    RING_GATHER,
-    RING_REDUCE,
-    RING_STATUS,
-    PartAck,
-    PartMessage,
-    StatusReply,
-    StatusRequest,
-)
-from ravnest_p2p.averaging.session import Phase, RingRefused, RingSession, wire_bytes
+from ravnest_p2p.averaging.frames import ByteReader, ByteWriter, read_hello
+from ravnest_p2p.averaging.messages import RING_STATUS, StatusReply, StatusRequest, StreamHello
+from ravnest_p2p.averaging.partstream import AttemptFailed, receive_attempt, refuse, send_attempt
+from ravnest_p2p.averaging.session import RingRefused, RingSession
 from ravnest_p2p.averaging.shards import Shard, ShardMap
-from ravnest_p2p.errors import TransportError
-from ravnest_p2p.transport import CallContext, Compression, RpcEndpoint, decode_tensor, encode_tensor
+from ravnest_p2p.averaging.streams import P2PStreams, Streams
+from ravnest_p2p.errors import InvalidMessage, TransportError
+from ravnest_p2p.transport import CallContext, P2PTransport, RpcEndpoint
 
 __all__ = ["RingAllReduce"]
 
@@ -67,25 +62,30 @@ logger = logging.getLogger(__name__)
 _UNSERVE_TIMEOUT_S = 5.0
 
 
-class _AttemptFailed(Exception):
-    pass
-
-
 class RingAllReduce:
-    """Serves `ring_reduce` / `ring_gather` / `ring_status` and runs this peer's rings.
+    """Serves the ring's part streams and `ring_status`, and runs this peer's rings.
 
     Args:
-        endpoint: the peer's RPC endpoint (its namespace is the run id).
+        endpoint: the peer's RPC endpoint (its namespace is the run id); carries the probes.
         config: deadlines, part size, compression.
+        streams: where part streams are opened and served; by default the daemon of the endpoint's
+            `P2PTransport` (pass a `MemoryStreamHub`'s streams with a fake transport).
     """
 
-    def __init__(self, endpoint: RpcEndpoint, config: RingConfig | None = None) -> None:
+    def __init__(
+        self, endpoint: RpcEndpoint, config: RingConfig | None = None, *, streams: Streams | None = None
+    ) -> None:
+        if streams is None:
+            if not isinstance(endpoint.transport, P2PTransport):
+                raise ValueError("streams= is required unless the endpoint's transport is a P2PTransport")
+            streams = P2PStreams(endpoint.transport)
         self.endpoint = endpoint
         self.config = config or RingConfig()
+        self._streams = streams
+        self._stream_name = f"ravnest/{endpoint.namespace}/ring_parts"
         self._sessions: dict[str, RingSession] = {}
         self._changed = asyncio.Event()
-        self._buffered_messages = 0
-        self._buffered_bytes = 0
+        self._waiting_streams = 0
         self._serving = False
 
     @property
@@ -93,8 +93,7 @@ class RingAllReduce:
         return self.endpoint.peer_id
 
     async def start(self) -> None:
-        await self.endpoint.serve(RING_REDUCE, self._on_reduce)
-        await self.endpoint.serve(RING_GATHER, self._on_gather)
+        await self._streams.serve(self._stream_name, self._on_stream)
         await self.endpoint.serve(RING_STATUS, self._on_status)
         self._serving = True
 
@@ -103,8 +102,8 @@ class RingAllReduce:
             self._serving = False
             try:
                 async with asyncio.timeout(_UNSERVE_TIMEOUT_S):  # a dead daemon must not hang shutdown
-                    for method in (RING_REDUCE, RING_GATHER, RING_STATUS):
-                        await self.endpoint.unserve(method)
+                    await self._streams.unserve(self._stream_name)
+                    await self.endpoint.unserve(RING_STATUS)
             except TimeoutError:
                 logger.warning("ring handlers of %s not removed in %ss", self.peer_id, _UNSERVE_TIMEOUT_S)
         for session in self._sessions.values():
@@ -188,7 +187,7 @@ class RingAllReduce:
                         await self._attempt(session)
                     result, participants = session.average(), session.members
                     break
-                except (_AttemptFailed, TimeoutError) as exc:
+                except (AttemptFailed, TimeoutError) as exc:
                     session.stop_attempt()
                     self._notify()
                     logger.info(
@@ -214,72 +213,13 @@ class RingAllReduce:
         return named, metrics
 
     async def _attempt(self, session: RingSession) -> None:
-        window = asyncio.Semaphore(self.config.parts_in_flight)
-        timeout_s = self.config.step_timeout_s
-        failures: list[str] = []
-        tasks: list[asyncio.Task[None]] = []
-
-        def check(arrived: bool, what: str) -> None:
-            if failures:
-                raise _AttemptFailed(failures[0])
-            if not arrived:
-                raise _AttemptFailed(f"{what} did not arrive in {timeout_s}s (or the attempt was stopped)")
-
         try:
-            for step in range(session.num_steps):
-                for part in range(session.num_parts(session.send_chunk(step))):
-                    if step > 0:
-                        arrived = await session.wait_received(step - 1, part, timeout_s)
-                        check(arrived, f"part {part} of step {step - 1}")
-                    await window.acquire()
-                    check(True, "")
-                    tasks.append(asyncio.create_task(self._send(session, step, part, window, failures)))
-            last = session.num_steps - 1
-            for part in range(session.num_parts(session.recv_chunk(last))):
-                check(await session.wait_received(last, part, timeout_s), f"part {part} of the last step")
-            await asyncio.gather(*tasks)
-            check(True, "")
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _send(
-        self, session: RingSession, step: int, part: int, window: asyncio.Semaphore, failures: list[str]
-    ) -> None:
-        """Send one part to the right neighbour; a transport failure stops the attempt (never raises it)."""
-        try:
-            chunk = session.send_chunk(step)
-            lo, hi = session.part_bounds(chunk, part)
-            compression = self.config.compression
-            if compression is not Compression.NONE and step == session.size - 1:
-                # the owner of a reduced chunk keeps what the others will decode, so replicas agree
-                session.acc[lo:hi] = decode_tensor(encode_tensor(session.acc[lo:hi], compression))
-            message = PartMessage(
-                ring_id=session.ring_id,
-                epoch=session.epoch,
-                round=session.round,
-                attempt=session.attempt,
-                members_digest=session.digest,
-                step=step,
-                chunk=chunk,
-                part=part,
-            )
-            method = RING_REDUCE if session.phase(step) is Phase.REDUCE else RING_GATHER
-            await self.endpoint.call(
-                session.right,
-                method,
-                message,
-                tensors=[session.acc[lo:hi]],
-                timeout_s=self.config.step_timeout_s,
-                compression=compression,
-            )
-            session.bytes_sent += wire_bytes(hi - lo, compression)
-        except TransportError as exc:
-            failures.append(f"sending to {session.right} failed: {exc}")
+            async with asyncio.timeout(self.config.step_timeout_s):
+                reader, writer = await self._streams.open(session.right, self._stream_name)
+        except (TransportError, TimeoutError) as exc:
             session.stop_attempt()
-        finally:
-            window.release()
+            raise AttemptFailed(f"cannot open a stream to {session.right}: {exc!r}") from None
+        await send_attempt(session, reader, writer, self.config)
 
     async def _reform(self, session: RingSession, deadline: float) -> tuple[int, tuple[str, ...] | None]:
         """After a failed attempt: probe the members; return the next (attempt, members) or None."""
@@ -317,63 +257,58 @@ class RingAllReduce:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def _on_reduce(self, msg: PartMessage, tensors: list[torch.Tensor], ctx: CallContext) -> PartAck:
-        return await self._on_part(Phase.REDUCE, msg, tensors, ctx)
+    async def _on_stream(self, sender: str, reader: ByteReader, writer: ByteWriter) -> None:
+        """One incoming part stream: hello, then parts until the sender closes; refusals get a reason."""
+        try:
+            try:
+                async with asyncio.timeout(self.config.step_timeout_s):
+                    hello = await read_hello(reader)
+                session = await self._session_for(hello, sender)
+                session.check_stream(hello, sender)
+                await receive_attempt(session, hello.attempt, reader, writer, self.config)
+            except InvalidMessage as exc:  # RingRefused, StaleEpoch, a malformed frame
+                logger.debug("refused a ring stream from %s: %s", sender, exc)
+                await refuse(reader, writer, exc)
+        except (TimeoutError, ConnectionError, OSError, EOFError) as exc:
+            logger.debug("ring stream from %s ended: %r", sender, exc)
+        finally:
+            writer.close()
 
-    async def _on_gather(self, msg: PartMessage, tensors: list[torch.Tensor], ctx: CallContext) -> PartAck:
-        return await self._on_part(Phase.GATHER, msg, tensors, ctx)
-
-    async def _on_part(
-        self, phase: Phase, msg: PartMessage, tensors: list[torch.Tensor], ctx: CallContext
-    ) -> PartAck:
-        if len(tensors) != 1:
-            raise RingRefused("wrong_shape", f"expected one tensor, got {len(tensors)}")
-        session = await self._session_for(
-            msg, ctx.remote_peer_id, tensors[0].numel() * tensors[0].element_size()
-        )
-        session.accept(phase, msg, tensors[0], ctx.remote_peer_id)
-        session.bytes_received += wire_bytes(tensors[0].numel(), self.config.compression)
-        return PartAck()
-
-    async def _session_for(self, msg: PartMessage, sender: str, size_bytes: int) -> RingSession:
-        """The running session `msg` belongs to, waiting (bounded) if this member is not there yet."""
+    async def _session_for(self, hello: StreamHello, sender: str) -> RingSession:
+        """The running session `hello` belongs to, waiting (bounded) if this member is not there yet."""
         deadline = time.monotonic() + self.config.step_timeout_s
         while True:
             changed = self._changed
-            session = self._sessions.get(msg.ring_id)
-            if session is not None and session.round == msg.round:
-                if session.attempt == msg.attempt and session.running:
+            session = self._sessions.get(hello.ring_id)
+            if session is not None and session.round == hello.round:
+                if session.attempt == hello.attempt and session.running:
                     return session
                 if (
-                    msg.attempt < session.attempt
+                    hello.attempt < session.attempt
                     or session.done
-                    or (msg.attempt == session.attempt and not session.running)
+                    or (hello.attempt == session.attempt and not session.running)
                 ):
-                    raise RingRefused("stale_attempt", f"{msg.ring_id}: attempt {msg.attempt} is over")
+                    raise RingRefused("stale_attempt", f"{hello.ring_id}: attempt {hello.attempt} is over")
                 if session.running and sender in session.members:  # a member is ahead: mine failed
                     session.stop_attempt()
                     self._notify()
                     changed = self._changed
-            elif session is not None and session.round > msg.round:
-                raise RingRefused("stale_round", f"{msg.ring_id}: round {msg.round} is over")
+            elif session is not None and session.round > hello.round:
+                raise RingRefused("stale_round", f"{hello.ring_id}: round {hello.round} is over")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RingRefused("not_ready", f"{msg.ring_id}: round {msg.round} not reached in time")
-            if (
-                self._buffered_messages >= self.config.max_buffered_messages
-                or self._buffered_bytes + size_bytes > self.config.max_buffered_bytes
-            ):
-                raise RingRefused("busy", "too many early messages buffered")
-            self._buffered_messages += 1
-            self._buffered_bytes += size_bytes
+                raise RingRefused("not_ready", f"{hello.ring_id}: round {hello.round} not reached in time")
+            if self._waiting_streams >= self.config.max_buffered_messages:
+                raise RingRefused("busy", "too many early streams waiting")
+            # an early stream waits unread: its bytes stay in the sender's and the daemons' buffers
+            self._waiting_streams += 1
             try:
                 async with asyncio.timeout(remaining):
                     await changed.wait()
             except TimeoutError:
                 pass
             finally:
-                self._buffered_messages -= 1
-                self._buffered_bytes -= size_bytes
+                self._waiting_streams -= 1
 
     async def _on_status(
         self, req: StatusRequest, tensors: list[torch.Tensor], ctx: CallContext

@@ -12,9 +12,10 @@ step t-1 arrived, so parts of consecutive steps overlap (pipelining) and no memb
 chunk. Within an attempt, arrivals never depend on order: reduce arrivals touch a chunk nobody reads
 until the next step, gather arrivals one already sent.
 
-Everything a message claims is checked against this session (epoch, attempt, membership digest, that
-the sender is the left neighbour, step, chunk, part, dtype, shape, finite values, duplicates) before
-the accumulator is touched.
+Everything a stream and its parts claim is checked against this session before the accumulator is
+touched: the stream's hello once (epoch, attempt, membership digest, that the sender is the left
+neighbour), each part's header before its payload is read (step, chunk, part, duplicates; the payload
+size from the part's bounds), the payload after it is read (dtype, shape, finite values).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from enum import StrEnum
 
 import torch
 
-from ravnest_p2p.averaging.messages import PartMessage
+from ravnest_p2p.averaging.messages import StreamHello
 from ravnest_p2p.errors import InvalidMessage, StaleEpoch
 from ravnest_p2p.transport import Compression
 
@@ -171,28 +172,39 @@ class RingSession:
     async def wait_received(self, step: int, part: int, timeout_s: float) -> bool:
         """Wait until part `part` of step `step` arrived; False if the attempt stopped or time ran out."""
         fut = self._received[(step, part)]
+        if fut.done():
+            return fut.result()
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(fut)
         except TimeoutError:
             return False
 
-    def accept(self, phase: Phase, msg: PartMessage, tensor: torch.Tensor, sender: str) -> None:
-        """Check one incoming part against this attempt, then add (reduce) or store (gather) it.
+    def check_stream(self, hello: StreamHello, sender: str) -> None:
+        """Check a stream's hello against this attempt (epoch, attempt, members, left neighbour).
 
         Raises:
-            RingRefused / StaleEpoch: the part does not belong here; nothing was changed.
+            RingRefused / StaleEpoch: the stream does not belong to this attempt.
         """
-        step, chunk, part = msg.step, msg.chunk, msg.part
-        if msg.epoch != self.epoch:
-            raise StaleEpoch(f"{self.ring_id}: epoch {msg.epoch}, expected {self.epoch}")
-        if not self.running:
-            raise RingRefused("not_running", f"{self.ring_id}: attempt {self.attempt} is not running")
-        if msg.members_digest != self.digest:
+        if hello.epoch != self.epoch:
+            raise StaleEpoch(f"{self.ring_id}: epoch {hello.epoch}, expected {self.epoch}")
+        if not self.running or hello.attempt != self.attempt:
+            raise RingRefused("not_running", f"{self.ring_id}: attempt {hello.attempt} is not running")
+        if hello.members_digest != self.digest:
             raise RingRefused("membership_mismatch", f"{self.ring_id}: ring members differ")
         if sender != self.left:
             raise RingRefused("wrong_sender", f"{self.ring_id}: {sender} is not the left neighbour")
-        if not 0 <= step < self.num_steps or phase != self.phase(step):
-            raise RingRefused("wrong_step", f"{self.ring_id}: step {step} is not a {phase} step")
+
+    def expect(self, attempt: int, step: int, chunk: int, part: int) -> tuple[int, int]:
+        """Check a part header of `attempt` before its payload is read; return the part's bounds.
+
+        Raises:
+            RingRefused: the attempt is over, or step, chunk or part is not one this member awaits.
+        """
+        if not self.running or attempt != self.attempt:
+            raise RingRefused("not_running", f"{self.ring_id}: attempt {attempt} is not running")
+        if not 0 <= step < self.num_steps:
+            raise RingRefused("wrong_step", f"{self.ring_id}: no step {step}")
         if chunk != self.recv_chunk(step):
             raise RingRefused("wrong_chunk", f"{self.ring_id}: chunk {chunk} at step {step}")
         fut = self._received.get((step, part))
@@ -200,19 +212,29 @@ class RingSession:
             raise RingRefused("wrong_part", f"{self.ring_id}: no part {part} in chunk {chunk}")
         if fut.done():
             raise RingRefused("duplicate", f"{self.ring_id}: part {part} of step {step} already arrived")
-        lo, hi = self.part_bounds(chunk, part)
+        return self.part_bounds(chunk, part)
+
+    def accept(self, step: int, part: int, tensor: torch.Tensor) -> None:
+        """Add (reduce) or store (gather) a part that `expect` admitted and the codec checked (finite).
+
+        Raises:
+            RingRefused: the attempt stopped meanwhile, or the tensor has the wrong dtype or shape;
+                nothing was changed.
+        """
+        fut = self._received.get((step, part))
+        if not self.running or fut is None or fut.done():
+            raise RingRefused("not_running", f"{self.ring_id}: part {part} of step {step} no longer awaited")
+        lo, hi = self.part_bounds(self.recv_chunk(step), part)
         if tensor.dtype != torch.float32 or tuple(tensor.shape) != (hi - lo,):
             raise RingRefused(
                 "wrong_shape", f"{self.ring_id}: got {tensor.dtype} {tuple(tensor.shape)}, want ({hi - lo},)"
             )
-        if not bool(torch.isfinite(tensor).all()):
-            raise RingRefused("non_finite", f"{self.ring_id}: non-finite values")
-        if phase is Phase.REDUCE:
+        if self.phase(step) is Phase.REDUCE:
             self.acc[lo:hi] += tensor
         else:
             self.acc[lo:hi] = tensor
         fut.set_result(True)
 
     def average(self) -> torch.Tensor:
-        """The mean over this attempt's members (after a completed attempt)."""
-        return self.acc / self.size
+        """The mean over this attempt's members (after a completed attempt), in place: acc is ours."""
+        return self.acc.div_(self.size)

@@ -26,7 +26,7 @@ SHAPES = {
     "4.bias": (256,),
 }
 SPLITS = [3, 1, 4]  # cluster c: stage 0 = layers < SPLITS[c], stage 1 = the rest
-CONFIG = RingConfig(part_size_bytes=256 << 10, parts_in_flight=4, step_timeout_s=3.0, probe_timeout_s=1.0)
+CONFIG = RingConfig(part_size_bytes=256 << 10, step_timeout_s=3.0, probe_timeout_s=1.0)
 
 
 def replica(seed: int) -> dict[str, torch.Tensor]:

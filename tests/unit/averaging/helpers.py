@@ -6,6 +6,7 @@ import torch
 
 from ravnest_p2p.averaging import RingAllReduce, RingConfig
 from ravnest_p2p.averaging.shards import ShardMap, build_shard_map
+from ravnest_p2p.averaging.streams import MemoryStreamHub
 from ravnest_p2p.transport import FakeNetwork, RpcEndpoint
 
 # 6 layers, with a BatchNorm-like layer (floating running stats) at index 2
@@ -69,10 +70,12 @@ async def fake_swarm(
     clusters = make_clusters(num_clusters)
     shard_map = build_shard_map(clusters, epoch=epoch)
     net = FakeNetwork()
+    hub = MemoryStreamHub(net)
     servers, cluster_of = {}, {}
     for c, stages in enumerate(clusters):
         for peer_id, _ in stages:
-            servers[peer_id] = RingAllReduce(RpcEndpoint(net.create(peer_id), "run"), config)
+            endpoint = RpcEndpoint(net.create(peer_id), "run")
+            servers[peer_id] = RingAllReduce(endpoint, config, streams=hub.streams(peer_id))
             await servers[peer_id].start()
             cluster_of[peer_id] = c
     return net, shard_map, servers, cluster_of

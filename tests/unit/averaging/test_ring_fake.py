@@ -9,7 +9,7 @@ from ravnest_p2p.averaging import RingConfig
 from ravnest_p2p.transport import Compression
 from tests.unit.averaging.helpers import fake_swarm, mean_of, owned, replica
 
-SMALL_PARTS = RingConfig(part_size_bytes=1024, parts_in_flight=3, step_timeout_s=2.0, probe_timeout_s=0.5)
+SMALL_PARTS = RingConfig(part_size_bytes=1024, step_timeout_s=2.0, probe_timeout_s=0.5)
 
 
 async def run_round(servers, shard_map, replicas, cluster_of, round_index=0, skip=()):
@@ -104,9 +104,8 @@ async def test_dead_member_is_dropped_and_survivors_get_their_mean():
 
 async def test_member_dying_mid_round_is_dropped_within_the_deadline():
     num_clusters = 4
-    config = SMALL_PARTS.model_copy(update={"parts_in_flight": 1})
-    net, shard_map, servers, cluster_of = await fake_swarm(num_clusters, config)
-    net.delay_s = 0.002  # so the round is still running when the member dies
+    net, shard_map, servers, cluster_of = await fake_swarm(num_clusters, SMALL_PARTS)
+    net.delay_s = 0.01  # every part write waits this long: the round is still running when the member dies
     replicas = [replica(seed) for seed in range(num_clusters)]
     victim = next(p for p, c in cluster_of.items() if c == 1)
 

@@ -1,0 +1,223 @@
+"""One attempt's data plane: a member streams its parts to its right neighbour and takes its left's.
+
+Sender (`send_attempt`): one stream per (ring, attempt) to the right neighbour; the parts in ring order
+(step by step, part by part), part p of step t as soon as part p of step t-1 arrived from the left, so
+consecutive steps overlap and the link never idles after the first part. Each write waits for the
+stream's back-pressure under the step deadline, so a neighbour that stops reading fails the attempt in
+`step_timeout_s`, never hangs it. A task reads the neighbour's acks; the attempt completes only once the
+neighbour acknowledged every part (an error frame or a broken stream stops the attempt at once).
+
+Receiver (`receive_attempt`): header checked against the session, payload read into a reusable buffer,
+decoded (a view of that buffer when uncompressed), checked (shape, finite), then added in place into the
+accumulator (reduce) or copied there (gather), acked. A stream that goes silent for two step deadlines is
+dropped (the receiving member's own waits have failed its attempt by then).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from ravnest_p2p.averaging.base import RingConfig
+from ravnest_p2p.averaging.frames import (
+    ByteReader,
+    ByteWriter,
+    PartHeader,
+    all_finite,
+    decode_payload,
+    encode_payload,
+    max_payload_bytes,
+    read_ack,
+    read_part_header,
+    read_payload_into,
+    write_ack,
+    write_error,
+    write_hello,
+    write_part,
+)
+from ravnest_p2p.averaging.messages import StreamHello
+from ravnest_p2p.averaging.session import RingRefused, RingSession
+from ravnest_p2p.errors import InvalidMessage
+from ravnest_p2p.transport import Compression, decode_tensor, encode_tensor
+
+__all__ = ["AttemptFailed", "receive_attempt", "refuse", "send_attempt"]
+
+logger = logging.getLogger(__name__)
+
+_LINGER_S = 1.0
+_STREAM_ERRORS = (ConnectionError, OSError, EOFError)  # EOFError covers asyncio.IncompleteReadError
+
+
+class AttemptFailed(Exception):
+    """This member's current attempt cannot complete (the reason is the message)."""
+
+
+class _Acks:
+    def __init__(self) -> None:
+        self.count = 0
+        self.error: str | None = None
+        self._changed = asyncio.Event()
+
+    def update(self, count: int | None = None, error: str | None = None) -> None:
+        if count is not None:
+            self.count = max(self.count, count)
+        if error is not None and self.error is None:
+            self.error = error
+        self._changed.set()
+
+    async def wait_for(self, count: int, timeout_s: float) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.count < count and self.error is None:
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            raise AttemptFailed(f"{count - self.count} parts unacknowledged after {timeout_s}s") from None
+        if self.error is not None:
+            raise AttemptFailed(self.error)
+
+
+async def _read_acks(session: RingSession, reader: ByteReader, acks: _Acks) -> None:
+    right = session.right
+    try:
+        while True:
+            count, error = await read_ack(reader)
+            if error is not None:
+                acks.update(error=f"{right} refused a part: {error['code']}: {error['message']}")
+                break
+            acks.update(count=count)
+    except (*_STREAM_ERRORS, InvalidMessage) as exc:
+        acks.update(error=f"stream to {right} broke: {type(exc).__name__}: {exc}")
+    session.stop_attempt()  # wakes the sender's waits, which then report `acks.error`
+
+
+async def _send_part(
+    session: RingSession, writer: ByteWriter, step: int, part: int, config: RingConfig
+) -> None:
+    chunk = session.send_chunk(step)
+    lo, hi = session.part_bounds(chunk, part)
+    codec = Compression(config.compression)
+    if codec is not Compression.NONE and step == session.size - 1:
+        # the owner of a reduced chunk keeps what the others will decode, so replicas agree bitwise
+        if codec is Compression.FP16:
+            session.acc[lo:hi] = session.acc[lo:hi].half().float()
+        else:
+            session.acc[lo:hi] = decode_tensor(encode_tensor(session.acc[lo:hi], codec))
+    payload = encode_payload(session.acc[lo:hi], codec)
+    header = PartHeader(codec, step, chunk, part, memoryview(payload).nbytes)
+    try:
+        async with asyncio.timeout(config.step_timeout_s):
+            await write_part(writer, header, payload)
+    except TimeoutError:
+        raise AttemptFailed(f"{session.right} took no part in {config.step_timeout_s}s") from None
+    except _STREAM_ERRORS as exc:
+        raise AttemptFailed(f"sending to {session.right} failed: {type(exc).__name__}: {exc}") from None
+    session.bytes_sent += header.payload_bytes
+
+
+async def send_attempt(
+    session: RingSession, reader: ByteReader, writer: ByteWriter, config: RingConfig
+) -> None:
+    """Run this member's side of the current attempt over an open stream to its right neighbour.
+
+    Returns when every part was sent and acknowledged and every part from the left arrived.
+
+    Raises:
+        AttemptFailed: a deadline passed, the stream broke, the neighbour refused a part, or the attempt
+            was stopped (by a probe or by the receiving side).
+    """
+    timeout_s = config.step_timeout_s
+    acks = _Acks()
+
+    def check(arrived: bool, what: str) -> None:
+        if acks.error is not None:
+            raise AttemptFailed(acks.error)
+        if not arrived:
+            raise AttemptFailed(f"{what} did not arrive in {timeout_s}s (or the attempt was stopped)")
+
+    hello = StreamHello(
+        ring_id=session.ring_id,
+        epoch=session.epoch,
+        round=session.round,
+        attempt=session.attempt,
+        members_digest=session.digest,
+    )
+    ack_task = asyncio.create_task(_read_acks(session, reader, acks), name=f"acks:{session.ring_id}")
+    sent = 0
+    try:
+        try:
+            write_hello(writer, hello)
+        except _STREAM_ERRORS as exc:
+            raise AttemptFailed(f"sending to {session.right} failed: {exc!r}") from None
+        for step in range(session.num_steps):
+            for part in range(session.num_parts(session.send_chunk(step))):
+                if step > 0:
+                    check(
+                        await session.wait_received(step - 1, part, timeout_s),
+                        f"part {part} of step {step - 1}",
+                    )
+                check(session.running, "the attempt")
+                await _send_part(session, writer, step, part, config)
+                sent += 1
+        last = session.num_steps - 1
+        for part in range(session.num_parts(session.recv_chunk(last))):
+            check(await session.wait_received(last, part, timeout_s), f"part {part} of the last step")
+        await acks.wait_for(sent, timeout_s)
+    finally:
+        ack_task.cancel()
+        await asyncio.gather(ack_task, return_exceptions=True)
+        writer.close()
+
+
+async def receive_attempt(
+    session: RingSession, attempt: int, reader: ByteReader, writer: ByteWriter, config: RingConfig
+) -> None:
+    """Take the left neighbour's parts of `attempt` from its stream until it ends.
+
+    Raises:
+        RingRefused: a part does not belong to this attempt (nothing was changed; the caller replies).
+        TimeoutError, ConnectionError, EOFError: the stream went silent or broke.
+    """
+    codec = Compression(config.compression)
+    scratch = bytearray()
+    accepted = 0
+    while True:
+        async with asyncio.timeout(2 * config.step_timeout_s):
+            header = await read_part_header(reader)
+        if header is None:
+            return
+        if header.codec is not codec:
+            raise RingRefused("wrong_codec", f"{session.ring_id}: {header.codec}, expected {codec}")
+        lo, hi = session.expect(attempt, header.step, header.chunk, header.part)
+        limit = max_payload_bytes(hi - lo, codec)
+        exact = codec in (Compression.NONE, Compression.FP16)
+        if header.payload_bytes > limit or (exact and header.payload_bytes != limit):
+            raise RingRefused(
+                "wrong_shape", f"{session.ring_id}: {header.payload_bytes} bytes for {hi - lo} values"
+            )
+        if len(scratch) < header.payload_bytes:
+            scratch = bytearray(header.payload_bytes)
+        async with asyncio.timeout(config.step_timeout_s):
+            payload = await read_payload_into(reader, scratch, header.payload_bytes)
+        try:
+            tensor = decode_payload(payload, codec, hi - lo)
+        except InvalidMessage as exc:
+            raise RingRefused("wrong_shape", f"{session.ring_id}: {exc}") from None
+        if not all_finite(tensor):
+            raise RingRefused("non_finite", f"{session.ring_id}: non-finite values")
+        session.accept(header.step, header.part, tensor)
+        session.bytes_received += header.payload_bytes
+        accepted += 1
+        write_ack(writer, accepted)
+
+
+async def refuse(reader: ByteReader, writer: ByteWriter, exc: InvalidMessage) -> None:
+    """Tell the sender why its stream is refused, then let it read that before the stream closes."""
+    code = getattr(exc, "code", "invalid_message")
+    with contextlib.suppress(*_STREAM_ERRORS, TimeoutError):
+        write_error(writer, code, str(exc))
+        async with asyncio.timeout(_LINGER_S):
+            await writer.drain()
+            while await reader.read(1 << 20):  # an honest sender stops and closes once it reads the error
+                pass
