@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from ravnest_p2p.averaging.base import RingConfig
 from ravnest_p2p.averaging.frames import (
@@ -145,6 +146,8 @@ async def send_attempt(
     )
     ack_task = asyncio.create_task(_read_acks(session, reader, acks), name=f"acks:{session.ring_id}")
     sent = 0
+    started = time.monotonic()
+    waited_s = 0.0  # time the stream idled because the left neighbour's part had not arrived
     try:
         try:
             write_hello(writer, hello)
@@ -153,10 +156,10 @@ async def send_attempt(
         for step in range(session.num_steps):
             for part in range(session.num_parts(session.send_chunk(step))):
                 if step > 0:
-                    check(
-                        await session.wait_received(step - 1, part, timeout_s),
-                        f"part {part} of step {step - 1}",
-                    )
+                    t0 = time.monotonic()
+                    arrived = await session.wait_received(step - 1, part, timeout_s)
+                    waited_s += time.monotonic() - t0
+                    check(arrived, f"part {part} of step {step - 1}")
                 check(session.running, "the attempt")
                 await _send_part(session, writer, step, part, config)
                 sent += 1
@@ -164,6 +167,14 @@ async def send_attempt(
         for part in range(session.num_parts(session.recv_chunk(last))):
             check(await session.wait_received(last, part, timeout_s), f"part {part} of the last step")
         await acks.wait_for(sent, timeout_s)
+        logger.debug(
+            "ring %s attempt %d: %d parts in %.2fs, %.2fs idle waiting for the left neighbour",
+            session.ring_id,
+            session.attempt,
+            sent,
+            time.monotonic() - started,
+            waited_s,
+        )
     finally:
         ack_task.cancel()
         await asyncio.gather(ack_task, return_exceptions=True)
