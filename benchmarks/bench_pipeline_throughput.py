@@ -6,8 +6,9 @@ trains the same job twice: asynchronously (no flushes) and with GPipe's synchron
 
 The bound: in steady state a pipeline can go no faster than its slowest stage, where a stage's time per
 micro-batch is the larger of its compute (forward + backward, measured on that peer in this run) and
-the transfer of its output activations over its shaped link (payload rate = 0.957 x the htb rate,
-the TCP/IP header overhead measured by the lab). samples/s bound = batch / max over stages.
+the traffic on its shaped link (its output activations and its input's gradient share the uplink;
+payload rate = 0.957 x the htb rate, the TCP/IP header overhead measured by the lab). samples/s bound
+= batch / max over stages.
 """
 
 from __future__ import annotations
@@ -108,17 +109,34 @@ def _single_process(job: JobSpec) -> dict[str, float]:
     return result
 
 
+def link_seconds(boundary_bytes: list[int], link_mbps: float) -> list[float]:
+    """Per stage peer, the busier direction of its link per micro-batch.
+
+    A stage uploads its output activations (to the next stage) *and* the gradient of its input (to the
+    previous one) on the same uplink, and downloads both on its downlink: a middle stage moves two
+    boundary tensors each way per micro-batch. Payload rate = 0.957 x the htb rate.
+    """
+    rate = link_mbps * 1e6 * PAYLOAD_FACTOR / 8
+    out = []
+    for i in range(len(boundary_bytes) + 1):
+        upload = (boundary_bytes[i] if i < len(boundary_bytes) else 0) + (
+            boundary_bytes[i - 1] if i > 0 else 0
+        )
+        out.append(upload / rate)
+    return out
+
+
 def _summarise(run: dict[str, Any], link_mbps: float) -> dict[str, Any]:
     job: JobSpec = run["job"]
     boundary = _boundary_bytes(job, run["split"])
     row: dict[str, Any] = {"link_mbps": link_mbps, "batch": job.batch_size, "micro_batches": job.max_steps}
-    link_s = [b * 8 / (link_mbps * 1e6 * PAYLOAD_FACTOR) for b in boundary]
+    link_s = link_seconds(boundary, link_mbps)
     for result in run["results"]:
         metrics = sorted(result["metrics"], key=lambda m: m["stage"])
         first = metrics[0]
         samples_per_s = first["step"] * job.batch_size / max(first["train_wall_s"], 1e-9)
         compute_per_mb = [m["compute_s"] / max(m["step"], 1) for m in metrics]
-        stage_s = [max(c, link_s[i] if i < len(link_s) else 0.0) for i, c in enumerate(compute_per_mb)]
+        stage_s = [max(c, link) for c, link in zip(compute_per_mb, link_s, strict=True)]
         bound = job.batch_size / max(stage_s)
         key = f"{'async' if result['schedule'] == 'async_1f1b' else 'gpipe'}_w{result['window']}"
         row[f"{key}_samples_per_s"] = samples_per_s
