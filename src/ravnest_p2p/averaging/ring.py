@@ -20,8 +20,13 @@ in place; a 7-byte ack per part tells the sender it was taken. Only the liveness
 Measured (benchmarks/results/averaging*.md): the first version sent each part as an RPC over a fresh
 stream (msgpack envelope, protobuf tensor, 2 MiB parts, 4 in flight): 64 MiB among 4 loopback processes
 took 2.86 s/round against hivemind's averager's 1.91 s. With this plane, ~1.2 s (py-spy: the Python side
-now mostly idles in epoll; the daemons' copying and encryption dominate on loopback). On the lab (4 peers
-at 100 Mbit/s, 64 MB), see averaging_lab.md: within a few % of a raw-TCP ring of the same flows.
+now mostly idles in epoll; the daemons' copying and encryption dominate on loopback). Lab, 4 peers at
+100 Mbit/s, 64 MB: 8.8-9.9 s/round (0.78-0.87 of the 7.68 s wire bound; hivemind 9.3-10.2 s in the same
+runs), where a raw-TCP ring of the same flows takes 8.0-8.45 s; the sender never idles waiting for its
+left neighbour (logged per attempt), so the rest is libp2p's stream and per-round copies. Known gap:
+with 25/50/100/200 Mbit/s links, equal chunks make every member move 2(C-1)/C of the shard through the
+25 Mbit/s link (40 s vs hivemind's bandwidth-balanced 31.6 s); chunks sized by link rate would cut the
+slow member's share (member i sends 2S - c[i+1] - c[i+2]), not done yet.
 Rejected: several streams per neighbour (the link, not the stream, is the limit on the lab); larger
 parts (1 MiB already makes per-part costs negligible, and the pipeline's fill time grows with the part).
 
