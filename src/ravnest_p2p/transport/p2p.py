@@ -161,7 +161,8 @@ class P2PTransport:
         if parsed:
             self._addresses[peer_id] = parsed
 
-    async def _ensure_connected(self, peer_id: str) -> None:
+    async def ensure_connected(self, peer_id: str) -> None:
+        """Dial `peer_id` by the addresses from `add_addresses` unless connected recently."""
         last = self._connected_at.get(peer_id)
         if last is not None and time.monotonic() - last < _RECONNECT_AFTER_S:
             return
@@ -218,7 +219,7 @@ class P2PTransport:
         stream: bool,
         max_response_bytes: int,
     ) -> bytes | bytearray:
-        await self._ensure_connected(peer_id)
+        await self.ensure_connected(peer_id)
         try:
             remote = PeerID.from_base58(peer_id)
         except Exception:
