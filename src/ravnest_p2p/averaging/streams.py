@@ -62,7 +62,6 @@ class P2PStreams:
 
     async def open(self, peer_id: str, name: str) -> tuple[ByteReader, ByteWriter]:
         # The daemon cannot route to a peer it never dialled: dial by the multiaddrs the transport knows.
-        # (The transport keeps that private; a public `ensure_connected` is requested in the report.)
         await self._transport.ensure_connected(peer_id)
         try:
             _, reader, writer = await self._transport.p2p.call_binary_stream_handler(
