@@ -83,7 +83,8 @@ class ReplicaAverager:
         self.period_steps = period_steps
         self.final_step = final_step
         self.averager = Averager(
-            AveragerConfig(period_steps=period_steps),
+            # rounds are started here (`on_step`), not by the averager's own loop; its period is unused
+            AveragerConfig(period_steps=max(period_steps, 1)),
             self.rings,
             read=lambda: {**executor.parameters_by_name(), **executor.buffers_by_name()},
             write=executor.assign_parameters,

@@ -32,7 +32,8 @@ def two_clusters(peers: list[str]) -> tuple[tuple[StagePlacement, ...], ...]:
     )
 
 
-async def test_two_clusters_learn_and_agree_after_the_final_round():
+@pytest.mark.parametrize("period", [10])
+async def test_two_clusters_learn_and_agree_after_the_final_round(period):
     async with local_hosts(6) as transports:
         job = JobSpec(
             job_id="two",
@@ -42,7 +43,7 @@ async def test_two_clusters_learn_and_agree_after_the_final_round():
             num_epochs=6,
             seed=1,
             optimizer=OptimizerConfig(name="adam", lr=3e-3),
-            averaging_period_steps=10,
+            averaging_period_steps=period,
             assignment=two_clusters([t.peer_id for t in transports]),
         )
         shard_map = shard_map_for(job, epoch=0)
@@ -72,3 +73,31 @@ async def test_two_clusters_learn_and_agree_after_the_final_round():
     assert set(by_cluster[0]) == set(by_cluster[1])
     for name, value in by_cluster[0].items():
         torch.testing.assert_close(by_cluster[1][name], value, atol=1e-6, rtol=0, msg=name)
+
+
+async def test_without_periodic_rounds_only_the_final_round_runs():
+    async with local_hosts(4) as transports:
+        peers = [t.peer_id for t in transports]
+        job = JobSpec(
+            job_id="final-only",
+            model="digits_cnn",
+            dataset="digits",
+            batch_size=64,
+            max_steps=6,
+            averaging_period_steps=0,
+            assignment=(
+                (
+                    StagePlacement(peer_id=peers[0], first_layer=0, end_layer=2),
+                    StagePlacement(peer_id=peers[1], first_layer=2, end_layer=4),
+                ),
+                (
+                    StagePlacement(peer_id=peers[2], first_layer=0, end_layer=3),
+                    StagePlacement(peer_id=peers[3], first_layer=3, end_layer=4),
+                ),
+            ),
+        )
+        runners = [
+            StageRunner(RpcEndpoint(t, "job"), None, job, find_placement(job, t.peer_id)) for t in transports
+        ]
+        await asyncio.gather(*(r.run() for r in runners))
+    assert all(r.replicas is not None and len(r.replicas.rounds) == 1 for r in runners)
