@@ -64,27 +64,31 @@ class RunClient:
                 raise TimeoutError(f"only {len(records)} of {count} peers ready after {timeout_s:.0f}s")
             await asyncio.sleep(1.0)
 
-    def plan(self, records: Sequence[PeerRecord], job: JobSpec, *, min_stages: int = 1) -> JobSpec:
+    def plan(self, records: Sequence[PeerRecord], job: JobSpec, *, min_stages: int | None = None) -> JobSpec:
         """The job with an explicit assignment computed by the planner over `records`."""
         return job.model_copy(update={"assignment": plan_assignment(records, job, min_stages=min_stages)})
 
     async def publish_job(self, job: JobSpec, *, ttl_s: float = 3600.0) -> None:
-        if not job.assignment:
-            raise ValueError("the job has no assignment; use plan() first")
+        """Publish `job`. With an assignment it runs there; without, on the peers' agreed plan."""
         if not await self.dht.store_own(JOB_KEY, job.to_wire(), ttl_s=ttl_s):
             raise RavnestError("no DHT peer accepted the job")
 
-    async def metrics(self, *, epoch: int = 0, job_id: str | None = None) -> list[StageMetrics]:
-        found = await self.dht.get_signed(metrics_key(epoch))
-        out = []
-        for signer, (value, _) in found.items():
-            try:
-                m = StageMetrics.model_validate(value)
-            except Exception:
-                continue
-            if m.peer_id == signer and (job_id is None or m.job_id == job_id):
-                out.append(m)
-        return sorted(out, key=lambda m: (m.cluster, m.stage))
+    async def metrics(self, *, epoch: int | None = None, job_id: str | None = None) -> list[StageMetrics]:
+        """Stage metrics of `epoch`, or (None) of every epoch the peers' records name, plus epoch 0."""
+        epochs = {epoch} if epoch is not None else {0} | {r.epoch for r in await self.peers()}
+        latest: dict[tuple[str, str], StageMetrics] = {}  # (job, peer) -> newest metrics over epochs
+        for e in sorted(epochs):
+            for signer, (value, _) in (await self.dht.get_signed(metrics_key(e))).items():
+                try:
+                    m = StageMetrics.model_validate(value)
+                except Exception:
+                    continue
+                if m.peer_id != signer or (job_id is not None and m.job_id != job_id):
+                    continue
+                key = (m.job_id, m.peer_id)
+                if key not in latest or m.updated_at > latest[key].updated_at:
+                    latest[key] = m
+        return sorted(latest.values(), key=lambda m: (m.cluster, m.stage))
 
     async def wait_for_job(
         self,
@@ -95,8 +99,7 @@ class RunClient:
         on_progress: Callable[[list[StageMetrics]], None] | None = None,
     ) -> list[StageMetrics]:
         """Poll metrics until every first stage of the job reports done; return the final metrics."""
-        assert job.assignment is not None
-        num_clusters = len(job.assignment)
+        num_clusters = len(job.assignment) if job.assignment else None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
@@ -109,7 +112,10 @@ class RunClient:
                     f"stage {failed[0].stage} of cluster {failed[0].cluster} failed: {failed[0].failed}"
                 )
             firsts = [m for m in metrics if m.stage == 0 and m.done]
-            if len(firsts) >= num_clusters:
+            # on an agreed plan the client does not know the cluster count: every cluster that reports
+            # must be done (and at least one)
+            expected = num_clusters or len({m.cluster for m in metrics})
+            if firsts and len(firsts) >= expected:
                 return metrics
             if loop.time() > deadline:
                 raise TimeoutError(f"job {job.job_id} not done after {timeout_s:.0f}s")

@@ -18,7 +18,9 @@ from ravnest_p2p import __version__
 from ravnest_p2p.discovery import Announcer, PeerDirectory, PeerRecord, RunDHT, dht_time
 from ravnest_p2p.measurement import NetworkMeter, ProbeConfig, free_memory_bytes, measure_matmul_flops
 from ravnest_p2p.membership import DhtPlanBoard, MembershipConfig, MembershipService
-from ravnest_p2p.training.runner import StageRunner, find_placement, read_job
+from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.placement import assignment_from_plan, job_params, layer_profiles
+from ravnest_p2p.training.runner import Placement, StageRunner, find_placement, read_job
 from ravnest_p2p.transport import HostConfig, P2PTransport, RpcEndpoint, load_or_create_identity
 from ravnest_p2p.types import PeerState
 from ravnest_p2p.utils import TaskOwner, run_in_compute_thread
@@ -114,6 +116,7 @@ class Peer:
         self._tasks = TaskOwner(f"peer-{transport.peer_id[-6:]}")
         self._closed = False
         self.jobs_done: set[str] = set()
+        self._workload_job: str | None = None
         self.runner: StageRunner | None = None
 
     @classmethod
@@ -167,6 +170,23 @@ class Peer:
     def peer_id(self) -> str:
         return self.transport.peer_id
 
+    async def _place_on_agreed_plan(self, job: JobSpec) -> tuple[JobSpec | None, int]:
+        """A job without an assignment runs on the membership's agreed plan, once one exists for it.
+
+        Every peer that reads the job asks the membership to plan for the job's layer profile (computed
+        from the registry, so identical everywhere); the job runs when a plan made for it is active.
+        """
+        if self.membership is None:
+            return None, 0
+        if self._workload_job != job.job_id:
+            params, layers = await run_in_compute_thread(lambda: (job_params(job), layer_profiles(job)))
+            self.membership.set_workload(job.job_id, params, layers)
+            self._workload_job = job.job_id
+        plan = self.membership.active_plan
+        if plan is None or self.membership.active_workload != job.job_id:
+            return None, 0
+        return job.model_copy(update={"assignment": assignment_from_plan(plan)}), plan.epoch
+
     async def _job_loop(self) -> None:
         """Watch the run's job; train our stage of each new job that places us."""
         while True:
@@ -175,28 +195,58 @@ class Peer:
             except Exception as exc:
                 logger.debug("reading the job failed: %r", exc)
                 job = None
-            placement = find_placement(job, self.peer_id) if job is not None else None
-            if job is not None and placement is not None and job.job_id not in self.jobs_done:
-                self.jobs_done.add(job.job_id)
-                logger.info(
-                    "job %s: stage %d of %d in cluster %d",
-                    job.job_id,
-                    placement.stage_index,
-                    len(placement.stages),
-                    placement.cluster_index,
-                )
-                self.state = PeerState.TRAINING
-                self.announcer.refresh_soon()
-                self.runner = StageRunner(self.rpc, self.dht, job, placement)
-                try:
-                    final = await self.runner.run()
-                    logger.info("job %s finished: step %d loss %s", job.job_id, final.step, final.loss)
-                except Exception as exc:
-                    logger.error("job %s failed on this peer: %s", job.job_id, exc)
-                finally:
-                    self.state = PeerState.READY
-                    self.announcer.refresh_soon()
+            placement = None
+            on_agreed_plan = False
+            if job is not None and job.job_id not in self.jobs_done:
+                if job.assignment is None:
+                    on_agreed_plan = True
+                    job, epoch = await self._place_on_agreed_plan(job)
+                    placement = find_placement(job, self.peer_id, epoch=epoch) if job is not None else None
+                else:
+                    placement = find_placement(job, self.peer_id)
+            if job is not None and placement is not None:
+                await self._run_stage(job, placement, on_agreed_plan=on_agreed_plan)
             await asyncio.sleep(self.config.job_poll_s)
+
+    async def _run_stage(self, job: JobSpec, placement: Placement, *, on_agreed_plan: bool) -> None:
+        """Train our stage; on an agreed plan, start over if the swarm moves to another plan meanwhile.
+
+        Re-planning mid-job (a peer lost or joined past the grace period) restarts the job on the new
+        plan from its initial weights: moving trained stages to new owners (`fetch_shard`) is not built.
+        """
+        logger.info(
+            "job %s: stage %d of %d in cluster %d (epoch %d)",
+            job.job_id,
+            placement.stage_index,
+            len(placement.stages),
+            placement.cluster_index,
+            placement.epoch,
+        )
+        self.jobs_done.add(job.job_id)
+        self.state = PeerState.TRAINING
+        self.announcer.refresh_soon()
+        self.runner = StageRunner(self.rpc, self.dht, job, placement)
+        run = self._tasks.spawn(self.runner.run(), name=f"job-{job.job_id}")
+        try:
+            while not run.done():
+                await asyncio.wait({run}, timeout=self.config.job_poll_s)
+                plan = self.membership.active_plan if self.membership is not None else None
+                if on_agreed_plan and not run.done() and plan is not None and plan.epoch != placement.epoch:
+                    logger.info("plan moved to epoch %d: restarting job %s on it", plan.epoch, job.job_id)
+                    run.cancel()
+                    await asyncio.wait({run})
+                    self.jobs_done.discard(job.job_id)
+                    return
+            final = run.result()
+            logger.info("job %s finished: step %d loss %s", job.job_id, final.step, final.loss)
+        except asyncio.CancelledError:
+            run.cancel()
+            raise
+        except Exception as exc:
+            logger.error("job %s failed on this peer: %s", job.job_id, exc)
+        finally:
+            self.state = PeerState.READY
+            self.announcer.refresh_soon()
 
     @property
     def maddrs(self) -> list[str]:

@@ -30,6 +30,7 @@ __all__ = ["LinkEstimate", "NetworkMeter", "ProbeConfig"]
 logger = logging.getLogger(__name__)
 
 MAX_PROBE_BYTES = 16 * 2**20
+MAX_REPORTED_MBPS = 100_000.0  # 100 Gbit/s: beyond any volunteer link; records refuse more than 400k
 
 
 class PingRequest(BaseModel):
@@ -149,8 +150,12 @@ class NetworkMeter:
         while True:
             elapsed = await self._timed_transfer(peer_id, size, upload=upload)
             if elapsed >= cfg.min_transfer_s or size >= cfg.max_probe_bytes:
-                # one round trip of the call is latency, not transfer
-                return size * 8 / 1e6 / max(elapsed - base_s, 1e-6), size
+                # one round trip of the call is latency, not transfer; but a payload capped by
+                # max_probe_bytes on a fast link can finish within the base RTT's noise, and subtracting
+                # it all would report absurd rates (seen: 10^6 Mbit/s, which then failed validation of
+                # our own record): never count less than half the elapsed time as transfer
+                transfer_s = max(elapsed - base_s, elapsed / 2, 1e-6)
+                return min(size * 8 / 1e6 / transfer_s, MAX_REPORTED_MBPS), size
             factor = min(16.0, max(2.0, 1.5 * cfg.min_transfer_s / max(elapsed, 1e-6)))
             size = min(int(size * factor), cfg.max_probe_bytes)
 

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -156,7 +156,12 @@ class MembershipService:
             rng=rng,
         )
         self.active_plan: Plan | None = None
+        # which workload (e.g. a job id) the plans are for: every peer that sees the same job sets the
+        # same workload, so their plans agree; `active_workload` is what the active plan was made for
+        self.workload = "default"
+        self.active_workload: str | None = None
         self._proposal: Plan | None = None
+        self._proposal_workload = "default"
         self._excluded_until: dict[str, float] = {}
         self._refresh_wanted = False
         self._published_at = -1e18
@@ -181,6 +186,20 @@ class MembershipService:
         cluster, stage = plan_position(self.active_plan, self.peer_id)
         epoch = self.active_plan.epoch if self.active_plan is not None else 0
         return epoch, cluster, stage
+
+    def set_workload(self, key: str, job: JobParams, layers: Sequence[LayerProfile]) -> None:
+        """Plan for another workload (a job's micro-batch size and layer profile) from a new epoch on.
+
+        Peers learn the job on their own schedule, so a peer may move to the new epoch twice (once when
+        it hears a peer that already moved, once when it reads the job itself); the highest epoch wins
+        and plans made before every member knows the job never gather all digests.
+        """
+        if key == self.workload:
+            return
+        self.config = self.config.model_copy(update={"job": job, "layers": tuple(layers)})
+        self.workload = key
+        self.tracker.open_epoch(self.tracker.epoch + 1)
+        logger.info("planning for workload %s from epoch %d", key, self.tracker.epoch)
 
     def _heard_epoch(self, epoch: int) -> None:
         if self.tracker.open_epoch(epoch):
@@ -244,9 +263,9 @@ class MembershipService:
         # make_plan grows super-linearly (~15 s for 100 peers on this machine): run it on the compute
         # thread over a snapshot taken here, so the loop keeps gossiping and the view cannot race it.
         peers = [cap.to_peer_capacity(pid) for pid, cap in self.view.live().items()]
-        epoch, digest = self.tracker.epoch, self.view.digest()
+        epoch, digest, workload = self.tracker.epoch, self.view.digest(), self.workload
         plan = await run_in_compute_thread(make_plan, peers, self.config.layers, self.config.job, epoch=epoch)
-        if (epoch, digest) != (self.tracker.epoch, self.view.digest()):
+        if (epoch, digest, workload) != (self.tracker.epoch, self.view.digest(), self.workload):
             raise _Stale()
         return plan
 
@@ -273,6 +292,7 @@ class MembershipService:
         if self.peer_id not in _plan_members(plan):
             return  # we are not in our own view yet (record not announced): wait
         self._proposal = plan
+        self._proposal_workload = self.workload
         self.tracker.proposed(now, _plan_members(plan))
         await self._publish(now)
         logger.debug("proposed plan %s for epoch %d", plan.digest()[:12], plan.epoch)
@@ -292,6 +312,7 @@ class MembershipService:
         if all(published.get(pid) == digest for pid in self.tracker.members):
             self.tracker.activated()
             self.active_plan = self._proposal
+            self.active_workload = self._proposal_workload
             logger.info(
                 "plan %s active for epoch %d: %d clusters, %d spares",
                 digest[:12],
@@ -313,6 +334,14 @@ class MembershipService:
             logger.info("dropping %d members silent on epoch %d", len(silent), self.tracker.epoch)
             for pid in silent:
                 self._excluded_until[pid] = now + self.config.exclude_for_s
+            self.tracker.open_epoch(self.tracker.epoch + 1)
+        elif self._proposal is not None and any(
+            published.get(pid) != self._proposal.digest() for pid in self.tracker.members
+        ):
+            # everyone spoke but not alike: some member may already have activated this epoch's plan
+            # (it saw an earlier round of digests agree) and will never propose again here; only a new
+            # epoch, which gossip carries to it, brings every member back to proposing
+            logger.info("members disagree on epoch %d's plan: opening the next epoch", self.tracker.epoch)
             self.tracker.open_epoch(self.tracker.epoch + 1)
         else:
             self.tracker.retry(now)

@@ -49,6 +49,7 @@ class JobSpec(_Config):
         batch_size: samples per micro-batch.
         num_epochs: passes over each cluster's shard of the data.
         max_steps: cap on micro-batches per cluster (None: the epochs decide).
+        min_stages: the planner gives every cluster at least this many stages (peers).
         max_in_flight: micro-batches in a pipeline at once (None: 3 x stages - 2, see
             `runtime.service.default_window`).
         update_every: backwards per optimizer step.
@@ -70,6 +71,7 @@ class JobSpec(_Config):
     num_epochs: int = Field(default=1, ge=1, le=10_000)
     max_steps: int | None = Field(default=None, ge=1)
     max_in_flight: int | None = Field(default=None, ge=1, le=1024)
+    min_stages: int = Field(default=1, ge=1, le=1024)
     update_every: int = Field(default=1, ge=1)
     recompute: bool = False
     schedule: Literal["async_1f1b", "gpipe"] = "async_1f1b"

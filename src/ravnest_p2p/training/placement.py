@@ -55,9 +55,11 @@ def capacities_from_records(records: Sequence[PeerRecord]) -> list[PeerCapacity]
     return out
 
 
-def job_params(job: JobSpec, *, min_stages: int = 1) -> JobParams:
+def job_params(job: JobSpec, *, min_stages: int | None = None) -> JobParams:
     return JobParams(
-        micro_batch_size=job.batch_size, max_in_flight=job.max_in_flight or 4, min_stages=min_stages
+        micro_batch_size=job.batch_size,
+        max_in_flight=job.max_in_flight or 4,
+        min_stages=min_stages if min_stages is not None else job.min_stages,
     )
 
 
@@ -72,7 +74,7 @@ def assignment_from_plan(plan: Plan) -> tuple[tuple[StagePlacement, ...], ...]:
 
 
 def plan_assignment(
-    records: Sequence[PeerRecord], job: JobSpec, *, epoch: int = 0, min_stages: int = 1
+    records: Sequence[PeerRecord], job: JobSpec, *, epoch: int = 0, min_stages: int | None = None
 ) -> tuple[tuple[StagePlacement, ...], ...]:
     """Clusters and stages for `job` over the live `records` (raises `InfeasiblePlan` if none fit)."""
     plan = make_plan(

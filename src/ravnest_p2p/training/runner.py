@@ -98,6 +98,7 @@ class StageRunner:
         self.service: StageService | None = None
         self.replicas: ReplicaAverager | None = None
         self._done = False
+        self._failure: str | None = None
         self._tasks = TaskOwner("stage-runner")
 
     def metrics(self) -> StageMetrics:
@@ -128,7 +129,7 @@ class StageRunner:
             eval_accuracy=self.eval_accuracy,
             peak_memory_bytes=_peak_rss_bytes(),
             done=self._done,
-            failed=str(service.failure)[:500] if service.failure else None,
+            failed=(self._failure or (str(service.failure) if service.failure else None) or "")[:500] or None,
             updated_at=dht_time(),
         )
 
@@ -176,6 +177,7 @@ class StageRunner:
         await service.start()
         self._tasks.spawn(self._metrics_loop(), name="metrics")
         started = time.monotonic()
+        cancelled = False
         try:
             if service.is_first:
                 await self._drive(service)
@@ -183,10 +185,17 @@ class StageRunner:
                 await service.finished.wait()
             if service.failure is not None:
                 raise RavnestError(f"stage failed: {service.failure}")
-        finally:
             self._done = True
+        except asyncio.CancelledError:
+            cancelled = True  # e.g. restarted on a new plan: neither done nor failed
+            raise
+        except Exception as exc:
+            self._failure = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
             await self._tasks.aclose()
-            await self.publish_metrics()
+            if not cancelled:
+                await self.publish_metrics()
             await service.aclose()
             if self.replicas is not None:
                 await self.replicas.aclose()

@@ -102,9 +102,18 @@ async def test_twelve_peers_agree_replan_after_crash_and_ignore_a_liar():
         assert {pid: d for pid, d in published.items() if pid in ids} == dict.fromkeys(ids, plan.digest())
         agreed_after_s = time.monotonic() - started
 
+        placed = {pid for c in plan.clusters for pid in c.peer_ids}
+
         async def positions_published() -> bool:
+            # every record must carry the epoch, and every placed peer its cluster (a record refreshed
+            # between the two would show one cluster fewer)
             records = await first.directory.refresh()
-            return all(records[pid].epoch == plan.epoch for pid in ids if pid in records)
+            return all(
+                pid in records
+                and records[pid].epoch == plan.epoch
+                and (records[pid].cluster is not None or pid not in placed)
+                for pid in ids
+            )
 
         await wait_until(positions_published, 20, message="records carry the epoch")
         records, epoch, digests = await fetch_run(first.maddrs, "membership-it")

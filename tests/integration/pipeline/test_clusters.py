@@ -40,7 +40,7 @@ async def test_two_clusters_learn_and_agree_after_the_final_round(period):
             model="digits_cnn",
             dataset="digits",
             batch_size=32,
-            num_epochs=6,
+            num_epochs=10,
             seed=1,
             optimizer=OptimizerConfig(name="adam", lr=3e-3),
             averaging_period_steps=period,

@@ -1,0 +1,73 @@
+"""A job published without an assignment runs on the plan the peers agreed on by gossip."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from ravnest_p2p.client import RunClient
+from ravnest_p2p.measurement import ProbeConfig
+from ravnest_p2p.membership import MembershipConfig
+from ravnest_p2p.node import Peer, PeerConfig
+from ravnest_p2p.runtime.optim import OptimizerConfig
+from ravnest_p2p.training.job import JobSpec
+
+pytestmark = pytest.mark.timeout(300)
+
+FAST = {
+    "run_id": "agreed",
+    "record_ttl_s": 8.0,
+    "directory_refresh_s": 0.5,
+    "check_identity_free": False,
+    "job_poll_s": 0.5,
+    # figures that do not move during agreement (see the closing note on capacity drift)
+    "probe": ProbeConfig(period_s=300.0, initial_probe_bytes=64 * 1024, max_probe_bytes=128 * 1024),
+    "membership": MembershipConfig(
+        gossip_period_s=0.5,
+        stable_rounds=3,
+        hysteresis_s=1.0,
+        join_delay_s=1.0,
+        grace_s=4.0,
+        agreement_timeout_s=20.0,
+    ),
+}
+
+
+async def test_job_without_assignment_trains_on_the_agreed_plan():
+    peers: list[Peer] = []
+    try:
+        peers.append(await Peer.start(PeerConfig(**FAST)))
+        joined = PeerConfig(**FAST, initial_peers=tuple(peers[0].maddrs))
+        peers += list(await asyncio.gather(*(Peer.start(joined) for _ in range(3))))
+        async with await RunClient.connect(peers[0].maddrs, "agreed") as client:
+            await client.wait_for_peers(4, timeout_s=60, measured=False)
+            job = JobSpec(
+                job_id="on-plan",
+                model="digits_cnn",
+                dataset="digits",
+                batch_size=32,
+                max_steps=30,
+                num_epochs=2,
+                min_stages=2,
+                optimizer=OptimizerConfig(name="adam", lr=3e-3),
+            )
+            await client.publish_job(job)
+            final = await client.wait_for_job(job, timeout_s=180, poll_s=0.5)
+        # every peer that trained did so on a plan made for this job (a peer still re-agreeing after a
+        # split vote may lag behind; it is not part of what ran)
+        trainers = {m.peer_id for m in final}
+        for peer in peers:
+            if peer.peer_id in trainers:
+                assert peer.membership is not None
+                assert peer.membership.active_workload == "on-plan"
+                assert peer.membership.active_plan is not None
+                assert peer.membership.active_plan.epoch >= 1  # the job's workload opened a new epoch
+        firsts = [m for m in final if m.stage == 0]
+        assert firsts
+        assert all(m.done and m.step == 30 and m.eval_accuracy is not None for m in firsts)
+        assert all(m.num_stages >= 2 for m in final)
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.gather(*(p.aclose() for p in peers), return_exceptions=True), 60)
