@@ -16,7 +16,7 @@ from ravnest_p2p.lab.launcher import Swarm, _pids_in_groups, load_state, state_d
 from ravnest_p2p.swarm import poll_until, swarm_status
 from tests.integration.lab._support import assert_no_leftovers, requires_netns, unique_prefix
 
-pytestmark = [*requires_netns, pytest.mark.timeout(150)]
+pytestmark = [*requires_netns, pytest.mark.timeout(240)]
 
 PEERS_DIR = Path(__file__).resolve().parents[3] / "peers"
 # Fast probes and status lines; no membership gossip (not under test, and 2 cores are shared by 9 peers).
@@ -142,7 +142,8 @@ def test_hetero8_cli_up_status_down_measures_the_profile(tmp_path: Path) -> None
             rows = json.loads(status.stdout)["peers"]
             return all(r["found"] and r["upload_mbps"] and r["download_mbps"] for r in rows)
 
-        poll_until(status_shows_all_measured, 30, what="status to show 8 measured peers", interval_s=1)
+        # slow peers run on 0.13 CPU: start-up and first probes take a while on a loaded 2-core host
+        poll_until(status_shows_all_measured, 90, what="status to show 8 measured peers", interval_s=1)
         assert [r["name"] for r in rows] == [p.name for p in state.peers]
         configured = [r["configured_upload_mbps"] for r in rows]
         measured = [r["upload_mbps"] for r in rows]
