@@ -51,14 +51,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _signal_group(pid: int, sig: signal.Signals) -> None:
+def signal_group(pid: int, sig: signal.Signals) -> bool:
+    """Signal ``pid``'s process group (or just ``pid`` if it leads none); False if it is gone."""
     try:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
-            pass
+            return False
+    return True
 
 
 def entering_pids(namespaces: Sequence[str]) -> list[int]:
@@ -87,10 +89,10 @@ def entering_pids(namespaces: Sequence[str]) -> list[int]:
 def kill_groups(pids: list[int], prefix: str) -> None:
     """SIGTERM the pids' process groups, SIGKILL what is left after a deadline."""
     for pid in pids:
-        _signal_group(pid, signal.SIGTERM)
+        signal_group(pid, signal.SIGTERM)
     stubborn = _wait_gone(pids, _KILL_TIMEOUT_S)
     for pid in stubborn:
-        _signal_group(pid, signal.SIGKILL)
+        signal_group(pid, signal.SIGKILL)
     still = _wait_gone(stubborn, _KILL_TIMEOUT_S)
     if still:
         logger.warning("lab %s: processes survived SIGKILL: %s", prefix, still)

@@ -53,6 +53,8 @@ from enum import StrEnum
 from pathlib import Path
 from types import TracebackType
 
+from ravnest_p2p.lab._procs import signal_group
+
 __all__ = [
     "ComputeThrottle",
     "ThrottleBackend",
@@ -318,17 +320,6 @@ class ComputeThrottle:
         self.close()
 
 
-def _signal(pid: int, sig: signal.Signals) -> bool:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return False
-    return True
-
-
 def duty_cycle(pid: int, slowdown: float, period_s: float = 0.1) -> None:
     """Stop/continue ``pid``'s process group so it runs ``1/slowdown`` of the time, until it exits.
 
@@ -346,14 +337,14 @@ def duty_cycle(pid: int, slowdown: float, period_s: float = 0.1) -> None:
     start = time.monotonic()
     cycle = 0
     try:
-        while not stop and _signal(pid, signal.SIGCONT):
+        while not stop and signal_group(pid, signal.SIGCONT):
             time.sleep(max(0.0, start + cycle * period_s + run_s - time.monotonic()))
-            if stop or not _signal(pid, signal.SIGSTOP):
+            if stop or not signal_group(pid, signal.SIGSTOP):
                 break
             cycle += 1
             time.sleep(max(0.0, start + cycle * period_s - time.monotonic()))
     finally:
-        _signal(pid, signal.SIGCONT)
+        signal_group(pid, signal.SIGCONT)
 
 
 def main(argv: list[str] | None = None) -> int:
