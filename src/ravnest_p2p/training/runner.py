@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from ravnest_p2p.discovery import RunDHT, dht_time
 from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.runtime.service import PipelineConfig, StageService, default_window
+from ravnest_p2p.training.data import ArrayDataset
 from ravnest_p2p.training.job import JobSpec, StagePlacement
 from ravnest_p2p.training.metrics import StageMetrics, metrics_key
 from ravnest_p2p.training.replicas import ReplicaAverager, shard_map_for
@@ -99,7 +100,14 @@ class StageRunner:
         self.replicas: ReplicaAverager | None = None
         self._done = False
         self._failure: str | None = None
+        self._datasets: tuple[ArrayDataset, ArrayDataset] | None = None
         self._tasks = TaskOwner("stage-runner")
+
+    def _data(self) -> tuple[ArrayDataset, ArrayDataset]:
+        """The job's (train, held-out) data, loaded once (the replica setup and the driver both need it)."""
+        if self._datasets is None:
+            self._datasets = load_dataset(self.job)
+        return self._datasets
 
     def metrics(self) -> StageMetrics:
         service = self.service
@@ -167,7 +175,7 @@ class StageRunner:
         )
         smap = shard_map_for(job, epoch=placement.epoch)
         if smap is not None:
-            train_len = len(load_dataset(job)[0])
+            train_len = len(self._data()[0])
             final_step = steps_per_cluster(job, train_len, placement.num_clusters) // job.update_every
             self.replicas = ReplicaAverager(
                 self.rpc, executor, smap, period_steps=job.averaging_period_steps, final_step=final_step
@@ -210,7 +218,7 @@ class StageRunner:
     async def _drive(self, service: StageService) -> None:
         job, placement = self.job, self.placement
         await service.wait_ready(timeout_s=120)
-        train, held_out = load_dataset(job)
+        train, held_out = self._data()
         batches = train_batches(
             job, train, cluster_index=placement.cluster_index, num_clusters=placement.num_clusters
         )
