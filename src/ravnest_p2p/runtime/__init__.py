@@ -1,6 +1,8 @@
-"""Pipeline runtime: the per-stage executor (weight stashing), its optimizer, and pipeline schedules.
+"""Pipeline runtime: the per-stage executor (weight stashing), its optimizer, pipeline schedules, and the
+network stage service (`runtime.service`, messages in `runtime.messages`, config in `runtime.pipeline`).
 
-Pure compute: no asyncio, no networking. The node wires executors to the transport.
+The executor is pure compute (no asyncio, no networking); the service runs it on the compute thread
+and speaks the forward/backward RPCs.
 """
 
 from ravnest_p2p.runtime.config import LossResult, PipelineFull, StageConfig

@@ -24,14 +24,13 @@ after `micro_batch_timeout_s` and the cluster is re-planned (membership), not re
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 from torch import Tensor
 
 from ravnest_p2p.errors import InvalidMessage, RavnestError, RemoteError, StaleEpoch, TransportError
@@ -51,71 +50,15 @@ from ravnest_p2p.runtime.messages import (
     ReadyReply,
     ReadyRequest,
 )
+from ravnest_p2p.runtime.pipeline import PipelineConfig, StageStats, Work, default_window, tensor_bytes
 from ravnest_p2p.runtime.stage import StageExecutor
 from ravnest_p2p.runtime.validation import check_tensor
-from ravnest_p2p.transport.codec import Compression
 from ravnest_p2p.transport.rpc import CallContext, RpcEndpoint, RpcMethod
 from ravnest_p2p.utils import TaskOwner, run_in_compute_thread
 
 __all__ = ["PipelineConfig", "StageService", "StageStats", "default_window"]
 
 logger = logging.getLogger(__name__)
-
-
-def default_window(num_stages: int) -> int:
-    """Micro-batches in flight that keep every stage and link busy: ``3 * num_stages - 2``.
-
-    PipeDream admits ``num_stages`` micro-batches, which saturates a pipeline whose communication is
-    free. Over volunteer links a transfer takes as long as a stage's compute, so each link direction is
-    a pipeline resource too: a micro-batch's round trip visits S computes and 2(S-1) link directions,
-    at most ``(3S - 2) x`` the slowest one's time; that many in flight reach the bottleneck's rate
-    (measured: `benchmarks/results/pipeline_throughput.md`). The cost is up to that many stashed weight
-    versions on the first stage; set `max_in_flight` lower where memory is tight.
-    """
-    return max(1, 3 * num_stages - 2)
-
-
-class PipelineConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    max_in_flight: int | None = Field(default=None, ge=1, description="default: `default_window`")
-    compression: Compression = Compression.NONE
-    send_timeout_s: float = Field(default=60.0, gt=0)
-    send_attempts: int = Field(default=3, ge=1)
-    micro_batch_timeout_s: float = Field(default=300.0, gt=0)
-
-
-@dataclasses.dataclass
-class StageStats:
-    forwards: int = 0
-    backwards: int = 0
-    samples: int = 0
-    completed: int = 0  # first stage: micro-batches whose backward came home
-    last_loss: float | None = None
-    bytes_sent: int = 0
-    compute_s: float = 0.0  # time this stage's work spent on the compute thread (fwd, bwd, eval)
-    train_wall_s: float = 0.0  # first stage: wall time inside `train` calls
-    started_monotonic: float = dataclasses.field(default_factory=time.monotonic)
-    recent: deque[tuple[float, int]] = dataclasses.field(default_factory=lambda: deque(maxlen=64))
-
-    def samples_per_s(self) -> float:
-        if len(self.recent) < 2:
-            return 0.0
-        (t0, n0), (t1, n1) = self.recent[0], self.recent[-1]
-        return (n1 - n0) / max(t1 - t0, 1e-9)
-
-
-@dataclasses.dataclass
-class _Work:
-    kind: str  # "forward" | "backward" | "eval"
-    micro_batch_id: int
-    tensor: Tensor
-    labels: Tensor | None = None
-    loss: float | None = None
-
-
-def _tensor_bytes(tensors: Sequence[Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class StageService:
@@ -146,8 +89,8 @@ class StageService:
         self.next_peer = cluster_peers[stage_index + 1] if stage_index < len(cluster_peers) - 1 else None
         self.stats = StageStats()
         self._loss_fn = make_loss(executor.config.loss)
-        self._forward_q: deque[_Work] = deque()
-        self._backward_q: deque[_Work] = deque()
+        self._forward_q: deque[Work] = deque()
+        self._backward_q: deque[Work] = deque()
         self._queue_limit = 2 * self.window_size + 4
         self._space = asyncio.Condition()
         self._work = asyncio.Event()
@@ -209,7 +152,7 @@ class StageService:
         if epoch != self.epoch:
             raise StaleEpoch(f"message for epoch {epoch}, this stage is in epoch {self.epoch}")
 
-    async def _enqueue(self, queue: deque[_Work], work: _Work) -> int:
+    async def _enqueue(self, queue: deque[Work], work: Work) -> int:
         async with self._space:
             await self._space.wait_for(lambda: len(queue) < self._queue_limit)
             queue.append(work)
@@ -228,13 +171,13 @@ class StageService:
             if self.is_last and self.executor.label_spec is not None:
                 check_tensor(labels, self.executor.label_spec, "eval labels", batch_size=x.shape[0])
             return Ack(
-                queued=await self._enqueue(self._forward_q, _Work("eval", req.micro_batch_id, x, labels))
+                queued=await self._enqueue(self._forward_q, Work("eval", req.micro_batch_id, x, labels))
             )
         if req.micro_batch_id in self._pending_forward:
             raise InvalidMessage(f"micro-batch {req.micro_batch_id} is already queued")
         self.executor.validate_forward(req.micro_batch_id, x, labels)
         self._pending_forward.add(req.micro_batch_id)
-        queued = await self._enqueue(self._forward_q, _Work("forward", req.micro_batch_id, x, labels))
+        queued = await self._enqueue(self._forward_q, Work("forward", req.micro_batch_id, x, labels))
         return Ack(queued=queued)
 
     async def _on_backward(self, req: BackwardRequest, tensors: list[Tensor], ctx: CallContext) -> Ack:
@@ -247,7 +190,7 @@ class StageService:
             raise InvalidMessage(f"micro-batch {req.micro_batch_id} is already queued for backward")
         self.executor.validate_backward(req.micro_batch_id, tensors[0])
         self._pending_backward.add(req.micro_batch_id)
-        work = _Work("backward", req.micro_batch_id, tensors[0], loss=req.loss)
+        work = Work("backward", req.micro_batch_id, tensors[0], loss=req.loss)
         return Ack(queued=await self._enqueue(self._backward_q, work))
 
     async def _on_eval_result(self, req: EvalResult, tensors: list[Tensor], ctx: CallContext) -> Ack:
@@ -290,7 +233,7 @@ class StageService:
         return Ack()
 
     # ----- computing -------------------------------------------------------------------------------
-    async def _next_work(self) -> _Work:
+    async def _next_work(self) -> Work:
         while True:
             if self._backward_q:  # 1F1B: a pending backward always goes first
                 work = self._backward_q.popleft()
@@ -333,13 +276,13 @@ class StageService:
                 pending = self._pending_forward if work.kind == "forward" else self._pending_backward
                 pending.discard(work.micro_batch_id)
 
-    async def _process(self, work: _Work) -> None:
+    async def _process(self, work: Work) -> None:
         steps_before = self.executor.num_steps
         await self._process_work(work)
         if self.on_step is not None and self.executor.num_steps != steps_before:
             await self.on_step(self.executor.num_steps)
 
-    async def _process_work(self, work: _Work) -> None:
+    async def _process_work(self, work: Work) -> None:
         ex = self.executor
         mb = work.micro_batch_id
         if work.kind == "eval":
@@ -446,7 +389,7 @@ class StageService:
                     timeout_s=self.config.send_timeout_s,
                     compression=self.config.compression,
                 )
-                self.stats.bytes_sent += _tensor_bytes(tensors)
+                self.stats.bytes_sent += tensor_bytes(tensors)
                 return
             except RemoteError as exc:
                 # the receiver refused it: resending the same message cannot help
@@ -495,7 +438,7 @@ class StageService:
             self._outstanding[mb] = time.monotonic()
             self._all_done.clear()
             self._pending_forward.add(mb)
-            await self._enqueue(self._forward_q, _Work("forward", mb, inputs, labels))
+            await self._enqueue(self._forward_q, Work("forward", mb, inputs, labels))
         await self._wait_all_done()
 
     async def _acquire_window(self) -> None:
@@ -533,7 +476,7 @@ class StageService:
             waiter: asyncio.Future[EvalResult] = loop.create_future()
             self._eval_waiters[mb] = waiter
             waiters.append(waiter)
-            await self._enqueue(self._forward_q, _Work("eval", mb, inputs, labels))
+            await self._enqueue(self._forward_q, Work("eval", mb, inputs, labels))
         try:
             async with asyncio.timeout(self.config.micro_batch_timeout_s):
                 results = await asyncio.gather(*waiters)

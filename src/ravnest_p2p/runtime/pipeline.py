@@ -1,0 +1,71 @@
+"""Configuration, counters and work items of a network pipeline stage (see `runtime.service`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from ravnest_p2p.transport.codec import Compression
+
+__all__ = ["PipelineConfig", "StageStats", "Work", "default_window", "tensor_bytes"]
+
+
+def default_window(num_stages: int) -> int:
+    """Micro-batches in flight that keep every stage and link busy: ``3 * num_stages - 2``.
+
+    PipeDream admits ``num_stages`` micro-batches, which saturates a pipeline whose communication is
+    free. Over volunteer links a transfer takes as long as a stage's compute, so each link direction is
+    a pipeline resource too: a micro-batch's round trip visits S computes and 2(S-1) link directions,
+    at most ``(3S - 2) x`` the slowest one's time; that many in flight reach the bottleneck's rate
+    (measured: `benchmarks/results/pipeline_throughput.md`). The cost is up to that many stashed weight
+    versions on the first stage; set `max_in_flight` lower where memory is tight.
+    """
+    return max(1, 3 * num_stages - 2)
+
+
+class PipelineConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_in_flight: int | None = Field(default=None, ge=1, description="default: `default_window`")
+    compression: Compression = Compression.NONE
+    send_timeout_s: float = Field(default=60.0, gt=0)
+    send_attempts: int = Field(default=3, ge=1)
+    micro_batch_timeout_s: float = Field(default=300.0, gt=0)
+
+
+@dataclasses.dataclass
+class StageStats:
+    forwards: int = 0
+    backwards: int = 0
+    samples: int = 0
+    completed: int = 0  # first stage: micro-batches whose backward came home
+    last_loss: float | None = None
+    bytes_sent: int = 0
+    compute_s: float = 0.0  # time this stage's work spent on the compute thread (fwd, bwd, eval)
+    train_wall_s: float = 0.0  # first stage: wall time inside `train` calls
+    started_monotonic: float = dataclasses.field(default_factory=time.monotonic)
+    recent: deque[tuple[float, int]] = dataclasses.field(default_factory=lambda: deque(maxlen=64))
+
+    def samples_per_s(self) -> float:
+        if len(self.recent) < 2:
+            return 0.0
+        (t0, n0), (t1, n1) = self.recent[0], self.recent[-1]
+        return (n1 - n0) / max(t1 - t0, 1e-9)
+
+
+@dataclasses.dataclass
+class Work:
+    kind: str  # "forward" | "backward" | "eval"
+    micro_batch_id: int
+    tensor: Tensor
+    labels: Tensor | None = None
+    loss: float | None = None
+
+
+def tensor_bytes(tensors: Sequence[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
