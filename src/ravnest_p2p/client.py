@@ -17,7 +17,6 @@ from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import StageMetrics, metrics_key
 from ravnest_p2p.training.placement import plan_assignment
 from ravnest_p2p.training.runner import JOB_KEY
-from ravnest_p2p.transport import HostConfig, P2PTransport, load_or_create_identity
 
 __all__ = ["RunClient"]
 
@@ -27,22 +26,13 @@ logger = logging.getLogger(__name__)
 class RunClient:
     """Connect with `await RunClient.connect(initial_peers, run_id)`; close with `await client.aclose()`."""
 
-    def __init__(self, transport: P2PTransport, dht: RunDHT) -> None:
-        self._transport = transport
+    def __init__(self, dht: RunDHT) -> None:
         self.dht = dht
         self._directory = PeerDirectory(dht)
 
     @classmethod
     async def connect(cls, initial_peers: Sequence[str], run_id: str = "default") -> RunClient:
-        transport = await P2PTransport.create(
-            HostConfig(initial_peers=tuple(initial_peers), client_mode=True), load_or_create_identity(None)
-        )
-        try:
-            dht = await RunDHT.create(transport, run_id=run_id, initial_peers=initial_peers, client_mode=True)
-        except BaseException:
-            await transport.aclose()
-            raise
-        return cls(transport, dht)
+        return cls(await RunDHT.join_as_client(initial_peers, run_id=run_id))
 
     async def peers(self) -> list[PeerRecord]:
         """Live, valid peer records of the run, sorted by peer id."""
@@ -123,7 +113,6 @@ class RunClient:
 
     async def aclose(self) -> None:
         await self.dht.aclose()
-        await self._transport.aclose()
 
     async def __aenter__(self) -> RunClient:
         return self

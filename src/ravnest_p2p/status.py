@@ -11,7 +11,6 @@ from ravnest_p2p.cli_common import OneLineArgumentParser, fail, run_loop
 from ravnest_p2p.discovery import PeerDirectory, PeerRecord, RunDHT
 from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.membership import DhtPlanBoard
-from ravnest_p2p.transport import HostConfig, P2PTransport, load_or_create_identity
 
 __all__ = ["fetch_peers", "fetch_run", "format_plan", "format_table", "main"]
 
@@ -30,20 +29,13 @@ async def fetch_run(
     initial_peers: Sequence[str], run_id: str, *, timeout_s: float = 20.0
 ) -> tuple[list[PeerRecord], int, dict[str, str]]:
     """Records (sorted by peer id), the newest epoch they report, and the ``plan/<epoch>`` digests."""
-    transport = await P2PTransport.create(
-        HostConfig(initial_peers=tuple(initial_peers), client_mode=True, startup_timeout_s=timeout_s),
-        load_or_create_identity(None),
-    )
+    dht = await RunDHT.join_as_client(initial_peers, run_id=run_id, timeout_s=timeout_s)
     try:
-        dht = await RunDHT.create(transport, run_id=run_id, initial_peers=initial_peers, client_mode=True)
-        try:
-            peers = await PeerDirectory(dht).refresh()
-            epoch = max((r.epoch for r in peers.values()), default=0)
-            digests = await DhtPlanBoard(dht).read(epoch)
-        finally:
-            await dht.aclose()
+        peers = await PeerDirectory(dht).refresh()
+        epoch = max((r.epoch for r in peers.values()), default=0)
+        digests = await DhtPlanBoard(dht).read(epoch)
     finally:
-        await transport.aclose()
+        await dht.aclose()
     return sorted(peers.values(), key=lambda r: r.peer_id), epoch, digests
 
 

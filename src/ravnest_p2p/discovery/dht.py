@@ -17,8 +17,8 @@ from hivemind.utils import get_dht_time
 
 from ravnest_p2p.discovery.records import owner_public_key
 from ravnest_p2p.errors import DiscoveryError
-from ravnest_p2p.transport.identity import peer_id_from_public_key
-from ravnest_p2p.transport.p2p import P2PTransport
+from ravnest_p2p.transport.identity import load_or_create_identity, peer_id_from_public_key
+from ravnest_p2p.transport.p2p import HostConfig, P2PTransport
 
 __all__ = ["RunDHT", "dht_time"]
 
@@ -37,6 +37,24 @@ class RunDHT:
         self._node = node
         self._validator = validator
         self.run_id = run_id
+        self._owned_transport: P2PTransport | None = None
+
+    @classmethod
+    async def join_as_client(
+        cls, initial_peers: Sequence[str], *, run_id: str, timeout_s: float = 20.0
+    ) -> RunDHT:
+        """Join the run as a DHT client with a fresh identity; `aclose` also stops its p2p daemon."""
+        transport = await P2PTransport.create(
+            HostConfig(initial_peers=tuple(initial_peers), client_mode=True, startup_timeout_s=timeout_s),
+            load_or_create_identity(None),
+        )
+        try:
+            dht = await cls.create(transport, run_id=run_id, initial_peers=initial_peers, client_mode=True)
+        except BaseException:
+            await transport.aclose()
+            raise
+        dht._owned_transport = transport
+        return dht
 
     @classmethod
     async def create(
@@ -103,3 +121,5 @@ class RunDHT:
 
     async def aclose(self) -> None:
         await self._node.shutdown()
+        if self._owned_transport is not None:
+            await self._owned_transport.aclose()
