@@ -30,7 +30,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
             update = {
                 "job_id": f"{base.job_id}-{schedule}-{window}-{period}",
                 "schedule": schedule,
-                "max_in_flight": int(window),
+                "max_in_flight": None if window == "auto" else int(window),
                 "averaging_period_steps": period,
                 "assignment": tuple(
                     tuple(
@@ -48,7 +48,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
             results.append(
                 {
                     "schedule": schedule,
-                    "window": int(window),
+                    "window": window,
                     "averaging_period_steps": period,
                     "metrics": [m.model_dump(mode="json") for m in final],
                 }
@@ -67,7 +67,7 @@ def main() -> None:
         "--runs",
         nargs="+",
         required=True,
-        help="schedule:window[:averaging period], e.g. async_1f1b:7 gpipe:7",
+        help="schedule:window[:averaging period], e.g. async_1f1b:7 async_1f1b:auto gpipe:7",
     )
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--out", required=True)

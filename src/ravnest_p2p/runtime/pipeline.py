@@ -16,14 +16,17 @@ __all__ = ["PipelineConfig", "StageStats", "Work", "default_window", "tensor_byt
 
 
 def default_window(num_stages: int) -> int:
-    """Micro-batches in flight that keep every stage and link busy: ``3 * num_stages - 2``.
+    """The most micro-batches in flight a pipeline may need: ``3 * num_stages - 2``.
 
-    PipeDream admits ``num_stages`` micro-batches, which saturates a pipeline whose communication is
-    free. Over volunteer links a transfer takes as long as a stage's compute, so each link direction is
-    a pipeline resource too: a micro-batch's round trip visits S computes and 2(S-1) link directions,
-    at most ``(3S - 2) x`` the slowest one's time; that many in flight reach the bottleneck's rate
-    (measured: `benchmarks/results/pipeline_throughput.md`). The cost is up to that many stashed weight
-    versions on the first stage; set `max_in_flight` lower where memory is tight.
+    The adaptive window (`runtime.window.InflightWindow`) moves between ``num_stages`` and this cap; a
+    fixed `max_in_flight` replaces both. PipeDream admits ``num_stages`` micro-batches, which saturates
+    a pipeline whose communication is free. Over volunteer links a transfer takes as long as a stage's
+    compute, so each link direction is a pipeline resource too: a micro-batch's round trip visits S
+    computes and 2(S-1) link directions, at most ``(3S - 2) x`` the slowest one's time; that many in
+    flight always reach the bottleneck's rate, but where compute and links are unbalanced fewer do, and
+    more only queue (measured: `benchmarks/results/pipeline_throughput.md`). The cost is up to that many
+    stashed weight versions on the first stage (memory is planned for the cap); set `max_in_flight`
+    lower where memory is tight.
     """
     return max(1, 3 * num_stages - 2)
 
@@ -31,7 +34,9 @@ def default_window(num_stages: int) -> int:
 class PipelineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_in_flight: int | None = Field(default=None, ge=1, description="default: `default_window`")
+    max_in_flight: int | None = Field(
+        default=None, ge=1, description="fixed window; None: adaptive, up to `default_window`"
+    )
     compression: Compression = Compression.NONE
     send_timeout_s: float = Field(default=60.0, gt=0)
     send_attempts: int = Field(default=3, ge=1)

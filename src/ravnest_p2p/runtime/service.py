@@ -1,6 +1,7 @@
 """One peer's pipeline stage on the network: asynchronous 1F1B without flushes (PipeDream-style).
 
-The first stage admits micro-batches through a window of `max_in_flight` (default: `default_window`);
+The first stage admits micro-batches through a window: `max_in_flight` if configured, else adapted to
+the pipeline's measured rate and round trip (`runtime.window.InflightWindow`, up to `default_window`);
 each stage runs forward, hands activations (with the labels, which travel to the last stage) to the
 next peer, and runs backward when the gradient comes back; optimizer steps happen inside the
 `StageExecutor` (with weight stashing) every `update_every` backwards. Nothing ever waits for the whole
@@ -53,6 +54,7 @@ from ravnest_p2p.runtime.messages import (
 from ravnest_p2p.runtime.pipeline import PipelineConfig, StageStats, Work, default_window, tensor_bytes
 from ravnest_p2p.runtime.stage import StageExecutor
 from ravnest_p2p.runtime.validation import check_tensor
+from ravnest_p2p.runtime.window import InflightWindow
 from ravnest_p2p.transport.rpc import CallContext, RpcEndpoint, RpcMethod
 from ravnest_p2p.utils import TaskOwner, run_in_compute_thread
 
@@ -84,19 +86,25 @@ class StageService:
         self.peers = list(cluster_peers)
         self.index = stage_index
         self.config = config or PipelineConfig()
-        self.window_size = self.config.max_in_flight or default_window(len(cluster_peers))
+        num_stages = len(cluster_peers)
+        # the in-flight limit: fixed when configured, else adapted between S and the cap (first stage)
+        self.window_cap = self.config.max_in_flight or default_window(num_stages)
+        self.window: InflightWindow | None = None
+        if self.config.max_in_flight is None and stage_index == 0:
+            self.window = InflightWindow(floor=min(num_stages, self.window_cap), cap=self.window_cap)
         self.prev_peer = cluster_peers[stage_index - 1] if stage_index > 0 else None
         self.next_peer = cluster_peers[stage_index + 1] if stage_index < len(cluster_peers) - 1 else None
         self.stats = StageStats()
         self._loss_fn = make_loss(executor.config.loss)
         self._forward_q: deque[Work] = deque()
         self._backward_q: deque[Work] = deque()
-        self._queue_limit = 2 * self.window_size + 4
+        self._queue_limit = 2 * self.window_cap + 4
         self._space = asyncio.Condition()
         self._work = asyncio.Event()
         self._pending_forward: set[int] = set()
         self._pending_backward: set[int] = set()
-        self._window = asyncio.Semaphore(self.window_size)
+        self._window_open = asyncio.Event()
+        self._window_open.set()
         self._outstanding: dict[int, float] = {}  # first stage: micro-batch id -> admitted at
         self._all_done = asyncio.Event()
         self._eval_waiters: dict[int, asyncio.Future[EvalResult]] = {}
@@ -108,6 +116,11 @@ class StageService:
         # called by the worker after every optimizer step with the step count; awaited, so a hook that
         # must see quiet weights (e.g. the final averaging round) holds this stage's work meanwhile
         self.on_step: Callable[[int], Awaitable[None]] | None = None
+
+    @property
+    def window_size(self) -> int:
+        """Micro-batches the first stage admits before one comes home (now)."""
+        return self.window.size if self.window is not None else self.window_cap
 
     # ----- lifecycle -------------------------------------------------------------------------------
     @property
@@ -406,6 +419,7 @@ class StageService:
             self.failure = exc
             logger.error("stage %d of epoch %d failed: %s", self.index, self.epoch, exc)
         self._all_done.set()
+        self._window_open.set()
         self.finished.set()
         for waiter in self._eval_waiters.values():
             if not waiter.done():
@@ -413,9 +427,13 @@ class StageService:
 
     # ----- driving (first stage) -------------------------------------------------------------------
     def _complete(self, mb: int) -> None:
-        if self._outstanding.pop(mb, None) is not None:
+        admitted_at = self._outstanding.pop(mb, None)
+        if admitted_at is not None:
             self.stats.completed += 1
-            self._window.release()
+            if self.window is not None:
+                self.window.on_complete(admitted_at, time.monotonic())
+            if len(self._outstanding) < self.window_size:
+                self._window_open.set()
             if not self._outstanding:
                 self._all_done.set()
 
@@ -444,10 +462,12 @@ class StageService:
     async def _acquire_window(self) -> None:
         while True:
             self._raise_if_failed()
+            if len(self._outstanding) < self.window_size:
+                return
+            self._window_open.clear()
             try:
                 async with asyncio.timeout(self.config.micro_batch_timeout_s):
-                    await self._window.acquire()
-                return
+                    await self._window_open.wait()
             except TimeoutError:
                 self._fail(RavnestError(f"no micro-batch came back in {self.config.micro_batch_timeout_s}s"))
 

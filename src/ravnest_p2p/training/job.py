@@ -50,8 +50,9 @@ class JobSpec(_Config):
         num_epochs: passes over each cluster's shard of the data.
         max_steps: cap on micro-batches per cluster (None: the epochs decide).
         min_stages: the planner gives every cluster at least this many stages (peers).
-        max_in_flight: micro-batches in a pipeline at once (None: 3 x stages - 2, see
-            `runtime.service.default_window`).
+        max_in_flight: micro-batches in a pipeline at once. None: the first stage adapts it to the
+            measured delivery rate and round trip, between stages and 3 x stages - 2
+            (`runtime.window.InflightWindow`; GPipe: 3 x stages - 2).
         update_every: backwards per optimizer step.
         schedule: ``async_1f1b`` (no flushes) or ``gpipe`` (synchronous fill-drain of one window at a
             time; use ``update_every = max_in_flight`` for GPipe's semantics) — the baseline we compare to.

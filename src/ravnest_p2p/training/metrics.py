@@ -19,6 +19,7 @@ class StageMetrics(WireModel):
     """One stage's progress. Read from the wire: unknown fields ignored, numbers range-checked."""
 
     schema_version: int = 1
+    epoch: int = Field(default=0, ge=0, description="the plan epoch this stage trains on")
     job_id: str = Field(max_length=64)
     peer_id: str = Field(max_length=128)
     cluster: int = Field(ge=0, le=100_000)
@@ -31,11 +32,19 @@ class StageMetrics(WireModel):
     queue_forward: int = Field(default=0, ge=0)
     queue_backward: int = Field(default=0, ge=0)
     in_flight: int = Field(default=0, ge=0)
+    window: int = Field(default=0, ge=0, le=1_000_000, description="first stage: in-flight limit now")
     bytes_sent: int = Field(default=0, ge=0)
     compute_s: float = Field(default=0.0, ge=0, le=1e9)
     averaging_rounds: int = Field(default=0, ge=0)
     averaging_bytes_sent: int = Field(default=0, ge=0)
     last_round_s: float | None = Field(default=None, ge=0, le=1e9)
+    last_round: int | None = Field(default=None, ge=0, description="index of the last averaging round")
+    last_round_participants: int | None = Field(
+        default=None, ge=0, le=100_000, description="fewest replicas in any of this stage's rings' averages"
+    )
+    param_digests: dict[str, str] | None = Field(
+        default=None, max_length=4096, description="when done: digest of each averaged tensor, by global name"
+    )
     train_wall_s: float = Field(default=0.0, ge=0, le=1e9)
     eval_loss: float | None = Field(default=None, ge=0, le=1e9)
     eval_accuracy: float | None = Field(default=None, ge=0, le=1)
