@@ -11,6 +11,10 @@ Receiver (`receive_attempt`): header checked against the session, payload read i
 decoded (a view of that buffer when uncompressed), checked (shape, finite), then added in place into the
 accumulator (reduce) or copied there (gather), acked. A stream that goes silent for two step deadlines is
 dropped (the receiving member's own waits have failed its attempt by then).
+
+Priority: when the stream's writer is a `BackgroundWriter`, each part first yields to this peer's
+pipeline sends (`transport/priority.py`): while they are busy, at most a window of parts stays
+unacknowledged, and a part waits (bounded) for the pipeline send in progress to end.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from ravnest_p2p.averaging.frames import (
 )
 from ravnest_p2p.averaging.messages import StreamHello
 from ravnest_p2p.averaging.session import RingRefused, RingSession
+from ravnest_p2p.averaging.streams import BackgroundWriter
 from ravnest_p2p.errors import InvalidMessage
 from ravnest_p2p.transport import Compression, decode_tensor, encode_tensor
 
@@ -117,6 +122,15 @@ async def _send_part(
     session.bytes_sent += header.payload_bytes
 
 
+async def _yield_to_foreground(writer: ByteWriter, acks: _Acks, sent: int, config: RingConfig) -> None:
+    if not isinstance(writer, BackgroundWriter):
+        return
+    window = writer.gate.background_window_parts(config.part_size_bytes)
+    if window is not None and sent - acks.count >= window:
+        await acks.wait_for(sent - window + 1, config.step_timeout_s)
+    await writer.gate.background_turn()
+
+
 async def send_attempt(
     session: RingSession, reader: ByteReader, writer: ByteWriter, config: RingConfig
 ) -> None:
@@ -143,6 +157,7 @@ async def send_attempt(
         round=session.round,
         attempt=session.attempt,
         members_digest=session.digest,
+        chunks_digest=session.chunks_digest,
     )
     ack_task = asyncio.create_task(_read_acks(session, reader, acks), name=f"acks:{session.ring_id}")
     sent = 0
@@ -160,6 +175,7 @@ async def send_attempt(
                     arrived = await session.wait_received(step - 1, part, timeout_s)
                     waited_s += time.monotonic() - t0
                     check(arrived, f"part {part} of step {step - 1}")
+                await _yield_to_foreground(writer, acks, sent, config)
                 check(session.running, "the attempt")
                 await _send_part(session, writer, step, part, config)
                 sent += 1

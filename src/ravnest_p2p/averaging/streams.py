@@ -6,6 +6,10 @@ over hivemind's binary stream handlers (libp2p multiplexes streams over the one 
 daemons); `MemoryStreamHub` gives it over a `FakeNetwork`, keeping the parts of the contract that the
 ring depends on: a killed peer's streams break, a reader that does not read stalls its writer once a
 bounded buffer is full, and `network.delay_s` slows every write.
+
+Both give the writer of an opened stream as a `BackgroundWriter` when the peer has a `TrafficGate`
+(always over the daemon: the transport's gate): the part sender finds the gate there and yields to the
+pipeline's sends (see `transport/priority.py`).
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 from ravnest_p2p.averaging.frames import ByteReader, ByteWriter
 from ravnest_p2p.errors import PeerUnreachable
 from ravnest_p2p.transport import FakeNetwork, P2PTransport
+from ravnest_p2p.transport.priority import TrafficGate
 
-__all__ = ["MemoryStreamHub", "MemoryStreams", "P2PStreams", "StreamHandler", "Streams"]
+__all__ = ["BackgroundWriter", "MemoryStreamHub", "MemoryStreams", "P2PStreams", "StreamHandler", "Streams"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +49,25 @@ class Streams(Protocol):
         ...
 
 
+class BackgroundWriter:
+    """A stream's writer whose bytes are background traffic of `gate` (its user asks `gate` for turns)."""
+
+    def __init__(self, writer: ByteWriter, gate: TrafficGate) -> None:
+        self._writer = writer
+        self.gate = gate
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._writer.write(data)
+
+    async def drain(self) -> None:
+        await self._writer.drain()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 class P2PStreams:
-    """Streams over the daemon of a `P2PTransport`."""
+    """Streams over the daemon of a `P2PTransport`; what they send is background traffic."""
 
     def __init__(self, transport: P2PTransport) -> None:
         self._transport = transport
@@ -69,7 +91,7 @@ class P2PStreams:
             )
         except (P2PDaemonError, P2PHandlerError, ConnectionError, ValueError) as exc:
             raise PeerUnreachable(f"cannot open {name} to {peer_id}: {type(exc).__name__}: {exc}") from None
-        return reader, writer
+        return reader, BackgroundWriter(writer, self._transport.gate)
 
 
 # ----- in memory ---------------------------------------------------------------------------------
@@ -190,8 +212,9 @@ class MemoryStreamHub:
             return False
         return True
 
-    def streams(self, peer_id: str) -> MemoryStreams:
-        return MemoryStreams(self, peer_id)
+    def streams(self, peer_id: str, *, gate: TrafficGate | None = None) -> MemoryStreams:
+        """`peer_id`'s streams; with `gate`, what it sends through them is that gate's background."""
+        return MemoryStreams(self, peer_id, gate)
 
     async def aclose(self) -> None:
         for task in list(self._tasks):
@@ -215,9 +238,10 @@ class MemoryStreamHub:
 class MemoryStreams:
     """One peer's view of a `MemoryStreamHub`."""
 
-    def __init__(self, hub: MemoryStreamHub, peer_id: str) -> None:
+    def __init__(self, hub: MemoryStreamHub, peer_id: str, gate: TrafficGate | None = None) -> None:
         self._hub = hub
         self._peer_id = peer_id
+        self._gate = gate
 
     async def serve(self, name: str, handler: StreamHandler) -> None:
         self._hub._handlers[(self._peer_id, name)] = handler
@@ -227,4 +251,4 @@ class MemoryStreams:
 
     async def open(self, peer_id: str, name: str) -> tuple[ByteReader, ByteWriter]:
         end = self._hub._open(self._peer_id, peer_id, name)
-        return end, end
+        return end, (end if self._gate is None else BackgroundWriter(end, self._gate))

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
+from ravnest_p2p.transport.priority import TrafficGate
+
 __all__ = ["UNARY_LIMIT_BYTES", "RawHandler", "Transport"]
 
 # hivemind's daemon caps unary messages at 4 MiB and a one-sided raise hangs; stay well below and stream
@@ -21,6 +23,9 @@ RawHandler = Callable[[bytes | bytearray, str], Awaitable[bytes]]
 
 
 class Transport(Protocol):
+    gate: TrafficGate
+    """This peer's foreground/background priority, shared by its RPC endpoint and averaging streams."""
+
     @property
     def peer_id(self) -> str: ...
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from ravnest_p2p.errors import PeerUnreachable
 from ravnest_p2p.transport.base import RawHandler
+from ravnest_p2p.transport.priority import TrafficGate
 from ravnest_p2p.transport.wire import error_envelope
 
 __all__ = ["FakeNetwork", "FakeTransport"]
@@ -47,6 +48,7 @@ class FakeTransport:
         self._peer_id = peer_id
         self._handlers: dict[str, tuple[RawHandler, int]] = {}
         self.known_addresses: dict[str, list[str]] = {}
+        self.gate = TrafficGate()
 
     @property
     def peer_id(self) -> str:

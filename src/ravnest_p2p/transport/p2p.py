@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ravnest_p2p.errors import ConfigError, PayloadTooLarge, PeerUnreachable, TransportError
 from ravnest_p2p.transport.base import UNARY_LIMIT_BYTES, RawHandler
 from ravnest_p2p.transport.identity import Identity
+from ravnest_p2p.transport.priority import TrafficGate
 from ravnest_p2p.transport.wire import error_envelope, frame_size, read_frame, write_frame
 
 __all__ = ["HostConfig", "P2PTransport"]
@@ -91,6 +92,7 @@ class P2PTransport:
         self._addresses: dict[str, list[Multiaddr]] = {}
         self._connected_at: dict[str, float] = {}
         self._dial_locks: dict[str, asyncio.Lock] = {}
+        self.gate = TrafficGate()  # pipeline sends first, averaging parts yield (see priority.py)
 
     @classmethod
     async def create(cls, config: HostConfig, identity: Identity) -> P2PTransport:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -146,23 +147,31 @@ class RpcEndpoint:
         tensors: Sequence[torch.Tensor] = (),
         timeout_s: float,
         compression: Compression | None = None,
+        foreground: bool | None = None,
     ) -> Reply[RespT]:
-        """Call `method` on `peer_id`; raise `RemoteError`, `DeadlineExceeded` or `PeerUnreachable`."""
+        """Call `method` on `peer_id`; raise `RemoteError`, `DeadlineExceeded` or `PeerUnreachable`.
+
+        `foreground` (default: whether the call carries tensors) marks the call in progress on the
+        transport's `TrafficGate`, so background averaging parts yield to it.
+        """
         # pieces: a big tensor goes from its own memory to the stream, without an intermediate copy
         data = _encode_parts(
             "request", request, tensors, self.compression if compression is None else compression
         )
+        gate = self.transport.gate
+        mark = gate.foreground() if (bool(tensors) if foreground is None else foreground) else nullcontext()
         try:
-            raw = await asyncio.wait_for(
-                self.transport.call(
-                    peer_id,
-                    self._qualified(method),
-                    data,
-                    stream=method.large_response,
-                    max_response_bytes=method.max_response_bytes,
-                ),
-                timeout_s,
-            )
+            with mark:
+                raw = await asyncio.wait_for(
+                    self.transport.call(
+                        peer_id,
+                        self._qualified(method),
+                        data,
+                        stream=method.large_response,
+                        max_response_bytes=method.max_response_bytes,
+                    ),
+                    timeout_s,
+                )
         except TimeoutError:
             raise DeadlineExceeded(f"{method.name} to {peer_id} exceeded {timeout_s:.1f}s") from None
         except InvalidMessage as exc:  # e.g. an oversized reply

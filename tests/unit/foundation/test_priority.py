@@ -1,0 +1,124 @@
+"""The traffic gate: background waits for foreground, boundedly; no starvation; cancelling leaves no trace."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+from pydantic import BaseModel
+
+from ravnest_p2p.transport import FakeNetwork, RpcEndpoint, RpcMethod
+from ravnest_p2p.transport.priority import GateConfig, TrafficGate
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_background_goes_at_once_when_foreground_is_idle():
+    gate = TrafficGate(GateConfig(max_yield_s=10))
+    async with asyncio.timeout(0.5):
+        await gate.background_turn()
+    assert gate.stats.background_turns == 1
+    assert gate.stats.yielded_turns == gate.stats.forced_turns == 0
+
+
+async def test_background_waits_until_every_foreground_send_ends():
+    gate = TrafficGate(GateConfig(max_yield_s=10))
+    first, second = gate.foreground(), gate.foreground()
+    first.__enter__()
+    second.__enter__()
+    turn = asyncio.create_task(gate.background_turn())
+    await asyncio.sleep(0.02)
+    assert not turn.done()
+    first.__exit__(None, None, None)
+    await asyncio.sleep(0.02)
+    assert not turn.done()  # the other send is still in progress
+    second.__exit__(None, None, None)
+    async with asyncio.timeout(0.5):
+        await turn
+    assert gate.stats.yielded_turns == 1
+    assert gate.stats.forced_turns == 0
+
+
+async def test_background_is_never_starved_by_a_busy_foreground():
+    max_yield_s = 0.02
+    gate = TrafficGate(GateConfig(max_yield_s=max_yield_s))
+    with gate.foreground():  # the foreground never pauses
+        started = time.monotonic()
+        for _ in range(5):
+            await gate.background_turn()
+        elapsed = time.monotonic() - started
+    assert gate.stats.forced_turns == 5
+    assert elapsed >= 5 * max_yield_s * 0.9
+    assert elapsed < 5 * max_yield_s + 0.5  # one part per max_yield_s at least: the fairness bound
+
+
+async def test_a_cancelled_wait_leaves_nothing_behind():
+    gate = TrafficGate(GateConfig(max_yield_s=10))
+    with gate.foreground():
+        turn = asyncio.create_task(gate.background_turn())
+        await asyncio.sleep(0.01)
+        turn.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await turn
+        assert not gate._idle_waiters
+    assert not gate.foreground_active
+    async with asyncio.timeout(0.5):
+        await gate.background_turn()
+
+
+async def test_a_failed_foreground_send_still_ends():
+    gate = TrafficGate()
+
+    def failing_send() -> None:
+        with gate.foreground():
+            assert gate.foreground_active
+            raise RuntimeError("send failed")
+
+    with pytest.raises(RuntimeError):
+        failing_send()
+    assert not gate.foreground_active
+
+
+def test_window_applies_only_while_foreground_is_recent():
+    clock = Clock()
+    gate = TrafficGate(GateConfig(recent_s=1.0, window_bytes=256 << 10), clock=clock)
+    assert gate.background_window_parts(64 << 10) is None  # never any foreground: no limit
+    with gate.foreground():
+        assert gate.background_window_parts(64 << 10) == 4
+        assert gate.background_window_parts(1 << 20) == 1  # at least one part
+    clock.now += 0.5
+    assert gate.background_window_parts(64 << 10) == 4
+    clock.now += 0.6
+    assert gate.background_window_parts(64 << 10) is None
+
+
+class Ping(BaseModel):
+    n: int = 0
+
+
+PING = RpcMethod("ping", Ping, Ping)
+
+
+async def test_rpc_calls_with_tensors_are_foreground_by_default():
+    net = FakeNetwork()
+    server, client = RpcEndpoint(net.create("srv"), "run"), RpcEndpoint(net.create("cli"), "run")
+    seen: list[bool] = []
+
+    async def ping(req, tensors, ctx):
+        seen.append(client.transport.gate.foreground_active)
+        return Ping(n=req.n)
+
+    await server.serve(PING, ping)
+    await client.call("srv", PING, Ping(), tensors=[torch.zeros(4)], timeout_s=1)
+    await client.call("srv", PING, Ping(), timeout_s=1)
+    await client.call("srv", PING, Ping(), foreground=True, timeout_s=1)
+    await client.call("srv", PING, Ping(), tensors=[torch.zeros(4)], foreground=False, timeout_s=1)
+    assert seen == [True, False, True, False]
+    assert not client.transport.gate.foreground_active
+    assert client.transport.gate.stats.foreground_sends == 2
