@@ -29,6 +29,8 @@ class RingConfig(BaseModel):
     probe_timeout_s: float = Field(default=2.0, gt=0)
     max_attempts: int = Field(default=3, ge=1, le=100)
     max_buffered_messages: int = Field(default=256, ge=0)  # early streams waiting for their round
+    # size chunks by the members' link rates when the round is given them (`weights.py`)
+    weighted_chunks: bool = True
 
 
 @dataclass

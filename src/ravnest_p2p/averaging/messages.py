@@ -27,6 +27,7 @@ class StreamHello(WireModel):
     round: int = Field(ge=0)
     attempt: int = Field(ge=0, le=1000)
     members_digest: str = Field(max_length=64)
+    chunks_digest: str = Field(default="", max_length=64)  # the attempt's chunk boundaries
 
 
 class StatusRequest(WireModel):

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ravnest_p2p.averaging.base import RoundMetrics
 from ravnest_p2p.averaging.ring import RingAllReduce
+from ravnest_p2p.averaging.session import LinkRates
 from ravnest_p2p.averaging.shards import ShardMap
 from ravnest_p2p.utils.aio import TaskOwner, run_in_compute_thread
 
@@ -91,6 +92,8 @@ class Averager:
         write: applies new values by global name (e.g. ``stage.assign_parameters``); called on the
             compute thread.
         shard_map: returns the current epoch's shard map, or None while there is no plan.
+        link_rates: returns every ring member's (upload, download) rate from the agreed plan, or None
+            (equal chunks); see `RingAllReduce.all_reduce`.
     """
 
     def __init__(
@@ -101,12 +104,14 @@ class Averager:
         read: ReadFn,
         write: WriteFn,
         shard_map: Callable[[], ShardMap | None],
+        link_rates: Callable[[], LinkRates | None] | None = None,
     ) -> None:
         self.config = config
         self.rings = rings
         self._read = read
         self._write = write
         self._shard_map = shard_map
+        self._link_rates = link_rates
         self._tasks = TaskOwner("averager")
         self._trigger: asyncio.Queue[int] = asyncio.Queue(maxsize=1)
         self._running = False
@@ -126,7 +131,10 @@ class Averager:
         if not names:
             return None
         snapshot = await run_in_compute_thread(self._snapshot, names)
-        averaged, metrics = await self.rings.all_reduce(shard_map, snapshot, round_index=round_index)
+        rates = None if self._link_rates is None else self._link_rates()
+        averaged, metrics = await self.rings.all_reduce(
+            shard_map, snapshot, round_index=round_index, link_rates=rates
+        )
         averaged_rings = {r.ring_id for r in metrics.rings if len(r.participants) > 1}
         in_average = {n for s in shard_map.shards if s.ring_id in averaged_rings for n in s.names}
         averaged = {n: v for n, v in averaged.items() if n in in_average}

@@ -23,10 +23,11 @@ took 2.86 s/round against hivemind's averager's 1.91 s. With this plane, ~1.2 s 
 now mostly idles in epoll; the daemons' copying and encryption dominate on loopback). Lab, 4 peers at
 100 Mbit/s, 64 MB: 8.8-9.9 s/round (0.78-0.87 of the 7.68 s wire bound; hivemind 9.3-10.2 s in the same
 runs), where a raw-TCP ring of the same flows takes 8.0-8.45 s; the sender never idles waiting for its
-left neighbour (logged per attempt), so the rest is libp2p's stream and per-round copies. Known gap:
-with 25/50/100/200 Mbit/s links, equal chunks make every member move 2(C-1)/C of the shard through the
-25 Mbit/s link (40 s vs hivemind's bandwidth-balanced 31.6 s); chunks sized by link rate would cut the
-slow member's share (member i sends 2S - c[i+1] - c[i+2]), not done yet.
+left neighbour (logged per attempt), so the rest is libp2p's stream and per-round copies. With
+25/50/100/200 Mbit/s links, equal chunks make every member move 2(C-1)/C of the shard through the
+25 Mbit/s link (40 s vs hivemind's bandwidth-balanced 31.6 s). Given the members' link rates
+(`all_reduce(..., link_rates=)`), chunks are sized by rate (`weights.py`: member i sends
+2S - c[i+1] - c[i+2], so the slow member's traffic drops towards S).
 Rejected: several streams per neighbour (the link, not the stream, is the limit on the lab); larger
 parts (1 MiB already makes per-part costs negligible, and the pipeline's fill time grows with the part).
 
@@ -67,7 +68,7 @@ from ravnest_p2p.averaging.base import RingConfig, RingMetrics, RoundMetrics, fl
 from ravnest_p2p.averaging.frames import ByteReader, ByteWriter, read_hello
 from ravnest_p2p.averaging.messages import RING_STATUS, StatusReply, StatusRequest, StreamHello
 from ravnest_p2p.averaging.partstream import AttemptFailed, receive_attempt, refuse, send_attempt
-from ravnest_p2p.averaging.session import RingRefused, RingSession
+from ravnest_p2p.averaging.session import LinkRates, RingRefused, RingSession
 from ravnest_p2p.averaging.shards import Shard, ShardMap
 from ravnest_p2p.averaging.streams import P2PStreams, Streams
 from ravnest_p2p.errors import InvalidMessage, TransportError
@@ -137,7 +138,12 @@ class RingAllReduce:
 
     # ----- one round over all my rings -----------------------------------------------------------
     async def all_reduce(
-        self, shard_map: ShardMap, tensors: Mapping[str, torch.Tensor], *, round_index: int
+        self,
+        shard_map: ShardMap,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        round_index: int,
+        link_rates: LinkRates | None = None,
     ) -> tuple[dict[str, torch.Tensor], RoundMetrics]:
         """Average every shard this peer owns with the other owners; all rings run concurrently.
 
@@ -145,6 +151,10 @@ class RingAllReduce:
             shard_map: this epoch's map (same at every peer).
             tensors: at least every name of every shard this peer owns (a snapshot: not modified).
             round_index: the round number, the same at every member of a ring.
+            link_rates: peer id -> (upload, download) rate of (at least) every member of my rings, the
+                same figures at every member (e.g. the agreed plan's): chunks are then sized by rate
+                when `config.weighted_chunks` (`weights.py`). None = equal chunks. Members given
+                different rates refuse each other's streams.
 
         Returns:
             The averaged tensors (same names, shapes and dtypes) and this round's metrics. A ring that
@@ -154,13 +164,14 @@ class RingAllReduce:
             ValueError: a name of one of my shards is missing or has the wrong size.
         """
         started = time.monotonic()
+        rates = link_rates if self.config.weighted_chunks else None
         shards = shard_map.shards_of(self.peer_id)
         for shard in shards:
             for name, numel in zip(shard.names, shard.numels, strict=True):
                 if name not in tensors or tensors[name].numel() != numel:
                     raise ValueError(f"{name!r}: missing or not {numel} elements")
         results = await asyncio.gather(
-            *(self._run_ring(shard_map.epoch, shard, tensors, round_index) for shard in shards)
+            *(self._run_ring(shard_map.epoch, shard, tensors, round_index, rates) for shard in shards)
         )
         averaged: dict[str, torch.Tensor] = {}
         for named, _ in results:
@@ -176,7 +187,12 @@ class RingAllReduce:
         return averaged, metrics
 
     async def _run_ring(
-        self, epoch: int, shard: Shard, tensors: Mapping[str, torch.Tensor], round_index: int
+        self,
+        epoch: int,
+        shard: Shard,
+        tensors: Mapping[str, torch.Tensor],
+        round_index: int,
+        link_rates: LinkRates | None,
     ) -> tuple[dict[str, torch.Tensor], RingMetrics]:
         started = time.monotonic()
         parts = [tensors[n] for n in shard.names]
@@ -189,6 +205,7 @@ class RingAllReduce:
             me=self.peer_id,
             local=local,
             part_numel=part_numel,
+            link_rates=link_rates,
         )
         self._sessions[shard.ring_id] = session
         self._notify()

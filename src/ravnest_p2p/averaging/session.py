@@ -7,6 +7,11 @@ chunk (i + 1) mod C. All-gather, steps g = 0..C-2 (t = C-1+g): member i forwards
 and stores the chunk (i - g) mod C it receives. Each member sends and receives 2(C-1)/C of the shard,
 which is optimal for a bandwidth-bound all-reduce.
 
+Chunks are equal by default. Given each member's link rates (the same figures at every member, e.g.
+from the agreed plan), `weights.py` sizes them so that slow links carry less; the element boundaries
+then depend on the rates, so their digest travels in every stream's hello and members that computed
+different boundaries refuse each other (`chunks_mismatch`) instead of mixing parts.
+
 Chunks are further cut into parts of a fixed size; part p of step t can be sent as soon as part p of
 step t-1 arrived, so parts of consecutive steps overlap (pipelining) and no member waits for a whole
 chunk. Within an attempt, arrivals never depend on order: reduce arrivals touch a chunk nobody reads
@@ -22,16 +27,28 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 
 import torch
 
 from ravnest_p2p.averaging.messages import StreamHello
+from ravnest_p2p.averaging.weights import chunk_bounds, equal_bounds
 from ravnest_p2p.errors import InvalidMessage, StaleEpoch
 from ravnest_p2p.transport import Compression
 
-__all__ = ["Phase", "RingRefused", "RingSession", "members_digest", "wire_bytes"]
+__all__ = [
+    "LinkRates",
+    "Phase",
+    "RingRefused",
+    "RingSession",
+    "bounds_digest",
+    "members_digest",
+    "wire_bytes",
+]
+
+LinkRates = Mapping[str, tuple[float, float]]
+"""Peer id -> (upload, download) rate, in any unit common to all members (e.g. Mbit/s)."""
 
 _BYTES_PER_ELEMENT = {
     Compression.NONE: 4,
@@ -49,6 +66,10 @@ def wire_bytes(numel: int, compression: Compression) -> int:
 
 def members_digest(members: Sequence[str]) -> str:
     return hashlib.sha256("\x1f".join(members).encode()).hexdigest()[:16]
+
+
+def bounds_digest(bounds: Sequence[int]) -> str:
+    return hashlib.sha256(",".join(map(str, bounds)).encode()).hexdigest()[:16]
 
 
 class Phase(StrEnum):
@@ -74,10 +95,20 @@ class RingSession:
         me: this member's peer id.
         local: this member's flat fp32 values of the shard (never modified).
         part_numel: elements per part.
+        link_rates: every member's (upload, download) rate, for chunks sized by rate; None (or a
+            member missing) = equal chunks. Must be the same at every member.
     """
 
     def __init__(
-        self, *, ring_id: str, epoch: int, round_index: int, me: str, local: torch.Tensor, part_numel: int
+        self,
+        *,
+        ring_id: str,
+        epoch: int,
+        round_index: int,
+        me: str,
+        local: torch.Tensor,
+        part_numel: int,
+        link_rates: LinkRates | None = None,
     ) -> None:
         assert part_numel > 0
         self.ring_id = ring_id
@@ -86,9 +117,11 @@ class RingSession:
         self.me = me
         self.local = local
         self.part_numel = part_numel
+        self.link_rates = link_rates
         self.attempt = -1
         self.members: tuple[str, ...] = ()
         self.digest = ""
+        self.chunks_digest = ""
         self.running = False
         self.done = False
         self.acc = local
@@ -105,8 +138,9 @@ class RingSession:
         self.attempt = attempt
         self.members = tuple(members)
         self.digest = members_digest(self.members)
-        n, c = self.local.numel(), len(self.members)
-        self._bounds = [k * n // c for k in range(c + 1)]
+        self._bounds = self._chunk_bounds()
+        weighted = self._bounds != equal_bounds(self.local.numel(), self.size)
+        self.chunks_digest = bounds_digest(self._bounds) if weighted else ""  # "": equal chunks
         self.acc = self.local.clone()
         loop = asyncio.get_running_loop()
         self._received = {
@@ -115,6 +149,14 @@ class RingSession:
             for p in range(self.num_parts(self.recv_chunk(t)))
         }
         self.running = True
+
+    def _chunk_bounds(self) -> list[int]:
+        n, rates = self.local.numel(), self.link_rates
+        if rates is None or any(m not in rates for m in self.members):
+            return equal_bounds(n, self.size)
+        return chunk_bounds(
+            n, [rates[m][0] for m in self.members], download=[rates[m][1] for m in self.members]
+        )
 
     def stop_attempt(self) -> None:
         """Abort the current attempt: every waiter wakes up with `False`."""
@@ -129,6 +171,11 @@ class RingSession:
         self.acc = self.local = torch.empty(0)  # late messages are refused; free the memory
 
     # ----- chunk arithmetic ----------------------------------------------------------------------
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        """This attempt's chunk boundaries: chunk k is elements [bounds[k], bounds[k + 1])."""
+        return tuple(self._bounds)
+
     @property
     def size(self) -> int:
         return len(self.members)
@@ -192,6 +239,8 @@ class RingSession:
             raise RingRefused("not_running", f"{self.ring_id}: attempt {hello.attempt} is not running")
         if hello.members_digest != self.digest:
             raise RingRefused("membership_mismatch", f"{self.ring_id}: ring members differ")
+        if hello.chunks_digest != self.chunks_digest:
+            raise RingRefused("chunks_mismatch", f"{self.ring_id}: chunk boundaries differ (link rates?)")
         if sender != self.left:
             raise RingRefused("wrong_sender", f"{self.ring_id}: {sender} is not the left neighbour")
 

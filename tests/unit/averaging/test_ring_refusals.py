@@ -84,6 +84,7 @@ async def test_bad_streams_and_parts_are_refused_without_touching_state():
         ("stale_round", sender, hello.model_copy(update={"round": 3}), [part(0)]),
         ("stale_epoch", sender, hello.model_copy(update={"epoch": 6}), [part(0)]),
         ("membership_mismatch", sender, hello.model_copy(update={"members_digest": "x" * 16}), [part(0)]),
+        ("chunks_mismatch", sender, hello.model_copy(update={"chunks_digest": "y" * 16}), [part(0)]),
         ("wrong_sender", stranger, hello, [part(0)]),
         ("wrong_step", sender, hello, [part(0, step=9)]),
         ("wrong_chunk", sender, hello, [part(0, chunk=(session.recv_chunk(0) + 1) % 3)]),
