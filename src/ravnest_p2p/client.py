@@ -18,9 +18,21 @@ from ravnest_p2p.training.metrics import StageMetrics, metrics_key
 from ravnest_p2p.training.placement import plan_assignment
 from ravnest_p2p.training.runner import JOB_KEY
 
-__all__ = ["RunClient"]
+__all__ = ["RunClient", "newest_epoch"]
 
 logger = logging.getLogger(__name__)
+
+
+def newest_epoch(metrics: Sequence[StageMetrics]) -> list[StageMetrics]:
+    """The metrics of the newest plan epoch among `metrics` (of one job).
+
+    A job restarted on a new plan leaves its old epoch's metrics behind: a dead peer's never say done,
+    a survivor's may say failed. Only the epoch the job runs on now tells whether it finished.
+    """
+    if not metrics:
+        return []
+    epoch = max(m.epoch for m in metrics)
+    return [m for m in metrics if m.epoch == epoch]
 
 
 class RunClient:
@@ -93,7 +105,7 @@ class RunClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            metrics = await self.metrics(job_id=job.job_id)
+            metrics = newest_epoch(await self.metrics(job_id=job.job_id))
             if on_progress is not None:
                 on_progress(metrics)
             failed = [m for m in metrics if m.failed]

@@ -25,7 +25,7 @@ from ravnest_p2p.transport import HostConfig, P2PTransport, RpcEndpoint, load_or
 from ravnest_p2p.types import PeerState
 from ravnest_p2p.utils import TaskOwner, run_in_compute_thread
 
-__all__ = ["EmulationConfig", "Peer", "PeerConfig", "PeerStatus"]
+__all__ = ["EmulationConfig", "Peer", "PeerConfig", "PeerStatus", "rerun_allowed"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,15 @@ class PeerStatus:
         )
 
 
+def rerun_allowed(failed_epoch: int | None, plan_epoch: int) -> bool:
+    """Whether a job on the agreed plan may run on `plan_epoch` here, given the epoch it failed on.
+
+    A failed job is retried only on a newer plan: the same plan would fail the same way (e.g. a dead
+    stage in our cluster), and a plan is how the swarm routes around the fault.
+    """
+    return failed_epoch is None or plan_epoch > failed_epoch
+
+
 class Peer:
     """A running volunteer peer. Create with `await Peer.start(config)`; close with `await peer.aclose()`."""
 
@@ -116,6 +125,7 @@ class Peer:
         self._tasks = TaskOwner(f"peer-{transport.peer_id[-6:]}")
         self._closed = False
         self.jobs_done: set[str] = set()
+        self._failed_epoch: dict[str, int] = {}  # job id -> agreed-plan epoch it last failed on here
         self._workload_job: str | None = None
         self.runner: StageRunner | None = None
 
@@ -200,8 +210,10 @@ class Peer:
             if job is not None and job.job_id not in self.jobs_done:
                 if job.assignment is None:
                     on_agreed_plan = True
+                    failed_epoch = self._failed_epoch.get(job.job_id)
                     job, epoch = await self._place_on_agreed_plan(job)
-                    placement = find_placement(job, self.peer_id, epoch=epoch) if job is not None else None
+                    if job is not None and rerun_allowed(failed_epoch, epoch):
+                        placement = find_placement(job, self.peer_id, epoch=epoch)
                 else:
                     placement = find_placement(job, self.peer_id)
             if job is not None and placement is not None:
@@ -244,6 +256,10 @@ class Peer:
             raise
         except Exception as exc:
             logger.error("job %s failed on this peer: %s", job.job_id, exc)
+            if on_agreed_plan:
+                # e.g. a pipeline partner died: the swarm re-plans without it, and we run again there
+                self._failed_epoch[job.job_id] = placement.epoch
+                self.jobs_done.discard(job.job_id)
         finally:
             self.state = PeerState.READY
             self.announcer.refresh_soon()

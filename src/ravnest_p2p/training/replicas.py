@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+from collections.abc import Mapping
+
+import torch
 
 from ravnest_p2p.averaging import (
     Averager,
@@ -32,7 +36,7 @@ from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import TaskOwner
 
-__all__ = ["FINAL_ROUND", "ReplicaAverager", "shard_map_for", "stage_entries"]
+__all__ = ["FINAL_ROUND", "ReplicaAverager", "shard_map_for", "stage_entries", "tensor_digests"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +53,20 @@ def stage_entries(job: JobSpec, first_layer: int, end_layer: int) -> list[tuple[
             if tensor.is_floating_point():
                 entries.append((f"{index}.{name}", tensor.numel()))
     return entries
+
+
+def tensor_digests(named: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """A short digest (64 bits of sha256 of the bytes) of every floating tensor, by name.
+
+    Replicas right after a round compare equal exactly when their averaged tensors are bit-identical,
+    which the ring guarantees (every member ends with the reduced chunk its owner computed).
+    """
+    out = {}
+    for name, tensor in sorted(named.items()):
+        if tensor.is_floating_point():
+            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            out[name] = hashlib.sha256(data).hexdigest()[:16]
+    return out
 
 
 def shard_map_for(job: JobSpec, *, epoch: int) -> ShardMap | None:
@@ -80,6 +98,7 @@ class ReplicaAverager:
     ) -> None:
         self.rings = RingAllReduce(rpc, config or RingConfig())
         self.executor = executor
+        self.shard_map = shard_map
         self.period_steps = period_steps
         self.final_step = final_step
         self.averager = Averager(
@@ -100,9 +119,19 @@ class ReplicaAverager:
         await self.rings.start()
 
     async def _run(self, round_index: int) -> RoundMetrics | None:
+        epoch, num_replicas = self.shard_map.epoch, len(self.shard_map.shards[0].owners)
+        logger.info("epoch %d: averaging round %d started", epoch, round_index)
         metrics = await self.averager.run_round(round_index)
         if metrics is not None:
             self.rounds.append(metrics)
+            logger.info(
+                "epoch %d: averaging round %d finished in %.2fs with %s of %d replicas",
+                epoch,
+                round_index,
+                metrics.time_s,
+                self.last_round_participants,
+                num_replicas,
+            )
         return metrics
 
     async def on_step(self, step: int) -> None:
@@ -121,6 +150,13 @@ class ReplicaAverager:
                 )
                 return
             self._round = self._tasks.spawn(self._run(step // self.period_steps), name="round")
+
+    @property
+    def last_round_participants(self) -> int | None:
+        """Fewest members in the average of any of this stage's rings in the last completed round."""
+        if not self.rounds or not self.rounds[-1].rings:
+            return None
+        return min(len(r.participants) for r in self.rounds[-1].rings)
 
     @property
     def bytes_sent(self) -> int:

@@ -21,7 +21,7 @@ from ravnest_p2p.runtime.service import PipelineConfig, StageService, default_wi
 from ravnest_p2p.training.data import ArrayDataset
 from ravnest_p2p.training.job import JobSpec, StagePlacement
 from ravnest_p2p.training.metrics import StageMetrics, metrics_key
-from ravnest_p2p.training.replicas import ReplicaAverager, shard_map_for
+from ravnest_p2p.training.replicas import ReplicaAverager, shard_map_for, tensor_digests
 from ravnest_p2p.training.stages import build_stage, load_dataset, steps_per_cluster, train_batches
 from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import TaskOwner
@@ -114,7 +114,9 @@ class StageRunner:
         assert service is not None
         stats, depths = service.stats, service.queue_depths()
         step = stats.completed if service.is_first else max(stats.forwards, stats.backwards)
+        rounds = self.replicas.rounds if self.replicas else []
         return StageMetrics(
+            epoch=self.placement.epoch,
             job_id=self.job.job_id,
             peer_id=self.rpc.peer_id,
             cluster=self.placement.cluster_index,
@@ -132,7 +134,10 @@ class StageRunner:
             compute_s=stats.compute_s,
             averaging_rounds=len(self.replicas.rounds) if self.replicas else 0,
             averaging_bytes_sent=self.replicas.bytes_sent if self.replicas else 0,
-            last_round_s=self.replicas.rounds[-1].time_s if self.replicas and self.replicas.rounds else None,
+            last_round_s=rounds[-1].time_s if rounds else None,
+            last_round=rounds[-1].round if rounds else None,
+            last_round_participants=self.replicas.last_round_participants if self.replicas else None,
+            param_digests=self._param_digests() if self._done else None,
             train_wall_s=stats.train_wall_s,
             eval_loss=self.eval_loss,
             eval_accuracy=self.eval_accuracy,
@@ -141,6 +146,12 @@ class StageRunner:
             failed=(self._failure or (str(service.failure) if service.failure else None) or "")[:500] or None,
             updated_at=dht_time(),
         )
+
+    def _param_digests(self) -> dict[str, str]:
+        executor = self.service.executor if self.service else None
+        if executor is None:
+            return {}
+        return tensor_digests({**executor.parameters_by_name(), **executor.buffers_by_name()})
 
     async def publish_metrics(self) -> None:
         metrics = self.metrics()
