@@ -2,10 +2,12 @@
 
 For each link scenario one `LabRun` (4 namespaces, symmetric htb links): first our 4 ring peers
 (`benchmarks.averaging_peer`, rounds started together at a wall-clock instant; round time = last end -
-start), then hivemind's 4 averagers (`benchmarks.hivemind_averager_peer`, every daemon dialled to every
-other first; round time = last end - last trigger, matchmaking excluded). The bound is the ring's
+start), with equal chunks and, when the rates differ, again with chunks sized by the link rates, then
+hivemind's 4 averagers (`benchmarks.hivemind_averager_peer`, every daemon dialled to every other first;
+round time = last end - last trigger, matchmaking excluded). The bound is the ring's
 2(C-1)/C * S / B_min with B_min the slowest link: at the configured (wire) rate, and at the TCP payload
-rate 0.957 B that htb actually delivers (MTU 1500 headers).
+rate 0.957 B that htb actually delivers (MTU 1500 headers). With rate-weighted chunks the ring's own
+bound is lower: the busiest link's time under the chunks `weights.py` picks for the ring's order.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.labrun import LabRun
+from ravnest_p2p.averaging import build_shard_map
+from ravnest_p2p.averaging.weights import chunk_fractions, link_loads
 
 GOODPUT = 0.957
 _OURS = [sys.executable, "-m", "benchmarks.averaging_peer"]
@@ -49,22 +53,36 @@ def _write_control(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _ours(lab: LabRun, size_bytes: int, rounds: int, timeout_s: float) -> dict[str, Any]:
+def _ours(
+    lab: LabRun,
+    size_bytes: int,
+    rounds: int,
+    timeout_s: float,
+    *,
+    rates: list[float] | None = None,
+    port: int = 31400,
+) -> dict[str, Any]:
+    """Our ring's rounds; with `rates` (per namespace, Mbit/s) the peers size chunks by rate."""
     group = len(lab.addresses)
-    control = lab.workdir / "control.json"
+    control = lab.workdir / f"control-{port}.json"
     procs = []
+    seen = [len(_lines(lab, i, "peer_id")) for i in range(group)]  # earlier runs' lines in the same logs
     for i, address in enumerate(lab.addresses):
-        argv = [*_OURS, "--host", address, "--numel", str(size_bytes // 4), "--rounds", str(rounds)]
-        procs.append(lab.start(i, [*argv, "--control", str(control)]))
-    hello = [_wait(lab, i, "peer_id", 1, 120)[0] for i in range(group)]
+        argv = [*_OURS, "--host", address, "--port", str(port), "--numel", str(size_bytes // 4)]
+        argv += ["--rounds", str(rounds), "--control", str(control)]
+        procs.append(lab.start(i, argv))
+    hello = [_wait(lab, i, "peer_id", seen[i] + 1, 120)[seen[i]] for i in range(group)]
     data: dict[str, Any] = {"peers": {h["peer_id"]: h["maddrs"] for h in hello}}
+    if rates is not None:
+        data["rates_mbps"] = {h["peer_id"]: rate for h, rate in zip(hello, rates, strict=True)}
+    done = [len(_lines(lab, i, "participants")) for i in range(group)]
     _write_control(control, data)
     times, errors = [], []
     for k in range(rounds):
         start_at = time.time() + 2.0
         data[f"round{k}"] = start_at
         _write_control(control, data)
-        lines = [_wait(lab, i, "participants", k + 1, timeout_s)[k] for i in range(group)]
+        lines = [_wait(lab, i, "participants", done[i] + k + 1, timeout_s)[done[i] + k] for i in range(group)]
         if not all(x["participants"] == group for x in lines):
             raise RuntimeError(
                 f"a round lost members: {lines}\n" + "\n".join(lab.tail(i, 3000) for i in range(group))
@@ -75,7 +93,25 @@ def _ours(lab: LabRun, size_bytes: int, rounds: int, timeout_s: float) -> dict[s
     _write_control(control, data)
     for proc in procs:
         proc.wait(timeout=60)
-    return {"times": times, "max_abs_error": max(errors), "MB_sent_per_peer": lines[0]["bytes_sent"] / 1e6}
+    return {
+        "times": times,
+        "max_abs_error": max(errors),
+        "MB_sent_max": max(x["bytes_sent"] for x in lines) / 1e6,
+        "MB_sent_min": min(x["bytes_sent"] for x in lines) / 1e6,
+        "peer_ids": [h["peer_id"] for h in hello],
+    }
+
+
+def weighted_bound_s(rates: list[float], peer_ids: list[str], size_bytes: int) -> float:
+    """The busiest link's time (wire rate) with the chunks `weights.py` picks for the benchmark's ring."""
+    (shard,) = build_shard_map([[(p, [("0.weight", 1)])] for p in sorted(peer_ids)], epoch=0).shards
+    rate_of = dict(zip(peer_ids, rates, strict=True))
+    ring = [rate_of[p] for p in shard.ring]
+    c = len(ring)
+    chunks = chunk_fractions(ring, ring)
+    loads = [2 * (c - 1) / c] * c if chunks is None else [float(x) for x in link_loads(chunks)]
+    links = [min(ring[i], ring[(i + 1) % c]) for i in range(c)]
+    return max(load * size_bytes * 8 / (r * 1e6) for load, r in zip(loads, links, strict=True))
 
 
 def _theirs(
@@ -118,20 +154,26 @@ def run_scenario(rates: list[float], size_bytes: int, rounds: int) -> list[dict[
     bound_s = 2 * (group - 1) / group * size_bytes * 8 / (min(rates) * 1e6)
     goodput_bound_s = bound_s / GOODPUT
     timeout_s = 120 + 4 * goodput_bound_s
+    uniform = len(set(rates)) == 1
     with LabRun(rates) as lab:
-        ours = _ours(lab, size_bytes, rounds, timeout_s)
+        runs = []
+        if not uniform:
+            runs.append(("ours: RingAllReduce, equal chunks", _ours(lab, size_bytes, rounds, timeout_s)))
+        weighted = _ours(lab, size_bytes, rounds, timeout_s, rates=rates, port=31410)
+        label = "ours: RingAllReduce" if uniform else "ours: RingAllReduce, chunks by link rate"
+        runs.append((label, weighted))
         if os.environ.get("AVG_LAB_OURS_ONLY"):  # for tuning: skip the baseline
             print("\n".join(lab.tail(i, 1500) for i in range(len(rates))), flush=True)
-            theirs = ours
+            theirs = weighted
         else:
             theirs = _theirs(lab, rates, size_bytes, rounds, timeout_s)
+    runs.append(("hivemind DecentralizedAverager", theirs))
+    ring_bound_s = weighted_bound_s(rates, weighted["peer_ids"], size_bytes)
     links = "/".join(f"{r:g}" for r in rates)
-    ours_s, theirs_s = statistics.median(ours["times"]), statistics.median(theirs["times"])
+    theirs_s = statistics.median(theirs["times"])
     rows = []
-    for system, run, median in (
-        ("ours: RingAllReduce", ours, ours_s),
-        ("hivemind DecentralizedAverager", theirs, theirs_s),
-    ):
+    for system, run in runs:
+        median = statistics.median(run["times"])
         rows.append(
             {
                 "links_mbps": links,
@@ -140,8 +182,12 @@ def run_scenario(rates: list[float], size_bytes: int, rounds: int) -> list[dict[
                 "round_times_s": [round(t, 2) for t in run["times"]],
                 "efficiency_vs_bound": bound_s / median,
                 "efficiency_vs_goodput_bound": goodput_bound_s / median,
+                "efficiency_vs_ring_bound": ring_bound_s / median,
                 "vs_hivemind": median / theirs_s,
                 "max_abs_error": run["max_abs_error"],
+                "MB_sent_max_min": (
+                    f"{run['MB_sent_max']:.1f}/{run['MB_sent_min']:.1f}" if "MB_sent_max" in run else ""
+                ),
             }
         )
     rows.append(
@@ -153,6 +199,17 @@ def run_scenario(rates: list[float], size_bytes: int, rounds: int) -> list[dict[
             "vs_hivemind": bound_s / theirs_s,
         }
     )
+    if not uniform:
+        rows.append(
+            {
+                "links_mbps": links,
+                "system": "bound with chunks by link rate (wire rate, busiest link)",
+                "median_s": ring_bound_s,
+                "efficiency_vs_bound": bound_s / ring_bound_s,
+                "efficiency_vs_ring_bound": 1.0,
+                "vs_hivemind": ring_bound_s / theirs_s,
+            }
+        )
     rows.append(
         {
             "links_mbps": links,

@@ -4,6 +4,8 @@ Starts a `P2PTransport` at ``--host``:``--port``, prints ``{"peer_id", "maddrs"}
 control file (written atomically by the orchestrator) to list every peer, and runs one ring round per
 ``"round<k>"`` entry at its wall-clock ``start_at`` (the same clock in every namespace), printing
 ``{"round", "start_t", "end_t", "participants", "error"}``; it exits once the file holds ``"exit"``.
+If the file also holds ``"rates_mbps"`` (peer id -> symmetric link rate), rounds size their chunks by
+rate (`link_rates=`), as a run on the agreed plan would.
 Peer i averages ``base + (i - (C-1)/2)``, so the exact mean is ``base`` (the same seeded vector at
 every peer) and each peer checks its own error.
 """
@@ -57,6 +59,9 @@ async def run(args: argparse.Namespace) -> None:
             if peer_id != transport.peer_id:
                 transport.add_addresses(peer_id, maddrs)
         order = sorted(peers)
+        control = json.loads(args.control.read_text())  # "rates_mbps" is written together with "peers"
+        rates_mbps: dict[str, float] | None = control.get("rates_mbps")
+        link_rates = None if rates_mbps is None else {p: (r, r) for p, r in rates_mbps.items()}
         shard_map = build_shard_map([[(p, [("0.weight", args.numel)])] for p in order], epoch=0)
         base = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
         offset = order.index(transport.peer_id) - (len(order) - 1) / 2
@@ -65,7 +70,9 @@ async def run(args: argparse.Namespace) -> None:
             start_at = await _control(args.control, f"round{k}", 1800)
             await asyncio.sleep(max(0.0, start_at - time.time()))
             start_t = time.time()
-            averaged, metrics = await server.all_reduce(shard_map, {"0.weight": mine}, round_index=k)
+            averaged, metrics = await server.all_reduce(
+                shard_map, {"0.weight": mine}, round_index=k, link_rates=link_rates
+            )
             end_t = time.time()
             error = (averaged["0.weight"].double() - base.double()).abs().max().item()
             line = {

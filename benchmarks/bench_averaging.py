@@ -292,6 +292,9 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 
 def main(quick: bool = False) -> None:
+    if "--lab-only" in sys.argv:  # python -m benchmarks.bench_averaging --lab-only: the namespaced runs
+        _lab(quick)
+        return
     size_bytes = (16 if quick else 64) << 20
     repeats = 3 if quick else 5
     ours = asyncio.run(_ours(size_bytes, repeats, _CONFIGS))
@@ -356,17 +359,23 @@ def _lab(quick: bool) -> None:
     rounds = 1 if quick else 2
     rows = []
     for rates in ([100.0] * NUM_PEERS, [25.0, 50.0, 100.0, 200.0]):
-        rows += run_scenario(rates, size_bytes, rounds)
-        for row in rows[-4:]:
+        scenario = run_scenario(rates, size_bytes, rounds)
+        rows += scenario
+        for row in scenario:
             print(f"  {row['links_mbps']} {row['system']}: {row['median_s']:.2f} s", flush=True)
     notes = (
         f"S = {size_bytes / 1e6:g} MB of fp32 among C = {NUM_PEERS} peers, each in its own lab namespace "
         "(htb, symmetric links at the listed Mbit/s), same namespaces for both systems in one run; "
         f"median of {rounds} round(s). Ours: RingAllReduce, default RingConfig, rounds started at one "
-        "wall-clock instant, time = last end - start. hivemind 1.1.12 DecentralizedAverager told each "
+        "wall-clock instant, time = last end - start; with unequal links once with equal chunks and once "
+        "with chunks sized by link rate (every peer told every peer's rate, as the agreed plan would; "
+        "uniform links give equal chunks either way). hivemind 1.1.12 DecentralizedAverager told each "
         "peer's bandwidth (its load balancing), daemons dialled to each other first, time = last end - "
         "last trigger (matchmaking excluded). Bound = 2(C-1)/C*S/B_min at the wire rate; the payload "
-        f"bound uses the TCP payload rate {GOODPUT}*B_min that htb delivers. efficiency = bound / time."
+        f"bound uses the TCP payload rate {GOODPUT}*B_min that htb delivers. efficiency = bound / time; "
+        "efficiency_vs_ring_bound uses the busiest link's time under the chunks weights.py picks for the "
+        "ring's order (= 2(C-1)/C*S/B_min for equal chunks). MB_sent_max_min: payload MB sent by the "
+        "busiest/least busy peer."
     )
     path = record("averaging_lab", rows, notes=notes)
     print(f"wrote {path}")
