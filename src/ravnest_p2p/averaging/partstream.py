@@ -127,8 +127,10 @@ async def _yield_to_foreground(writer: ByteWriter, acks: _Acks, sent: int, confi
         return
     window = writer.gate.background_window_parts(config.part_size_bytes)
     if window is not None and sent - acks.count >= window:
+        started = time.monotonic()
         await acks.wait_for(sent - window + 1, config.step_timeout_s)
-    await writer.gate.background_turn()
+        writer.busy_s += time.monotonic() - started  # our parts were still on the way meanwhile
+    await writer.turn()
 
 
 async def send_attempt(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
@@ -50,17 +51,30 @@ class Streams(Protocol):
 
 
 class BackgroundWriter:
-    """A stream's writer whose bytes are background traffic of `gate` (its user asks `gate` for turns)."""
+    """A stream's writer whose bytes are background traffic of `gate`: call `turn()` before each part.
+
+    It measures how long its parts keep the link busy (the time `drain` waits, plus what the user adds to
+    `busy_s`, e.g. waiting for acknowledgements), which sets how long the next turn may yield.
+    """
 
     def __init__(self, writer: ByteWriter, gate: TrafficGate) -> None:
         self._writer = writer
         self.gate = gate
+        self.busy_s = 0.0
+
+    async def turn(self) -> None:
+        await self.gate.background_turn(self.busy_s)
+        self.busy_s = 0.0
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self._writer.write(data)
 
     async def drain(self) -> None:
-        await self._writer.drain()
+        started = time.monotonic()
+        try:
+            await self._writer.drain()
+        finally:
+            self.busy_s += time.monotonic() - started
 
     def close(self) -> None:
         self._writer.close()

@@ -8,24 +8,33 @@ it); averaging is delayed anyway (it is applied a round late), so it can use wha
 
 Design. One `TrafficGate` per peer (it lives on the transport, so the RPC endpoint and the averaging
 streams of a peer share it). Foreground sends mark themselves in progress (`with gate.foreground()`),
-from the first byte until the receiver answered, i.e. until the message is off this peer's uplink. A
-background writer calls `await gate.background_turn()` before each part: it returns at once when no
-foreground send is in progress, else when the last one ends, but never later than `max_yield_s`
-(averaging can be slowed, never starved: at least one part per `max_yield_s`, so a round's parts still
-meet their step deadlines). A gate cannot preempt bytes already handed to the daemon, the kernel or a
-router's queue, so the writer also keeps few of its bytes unacknowledged while the foreground is busy
-(`foreground_recent`, `config.window_bytes`): the ring's per-part acks clock it, which bounds what a
-pipeline message can find queued ahead of it on the sender's uplink and on the receiver's downlink.
+from the first byte until the receiver answered. A background writer calls
+`await gate.background_turn(busy_s)` before each part: it returns at once when no foreground send is
+in progress, else when the last one ends, but never later than its budget: the time the writer's
+previous part kept the link busy (`busy_s`) times (1 - `min_share`) / `min_share`, capped at
+`max_yield_s`. So averaging gets all the time the pipeline leaves idle and, while the pipeline never
+pauses, still about `min_share` of the link's time: slowed, never starved, each wait short against the
+ring's step deadlines. The budget scales with the measured part time, so the share does not depend on
+the part size or the link rate, which the gate does not know.
+
+A gate cannot preempt bytes already handed to the daemon, the kernel or a router's queue, so while the
+foreground is busy (`foreground_recent`) the writer also keeps at most `window_bytes` of parts (at least
+one part) unacknowledged: the ring's per-part acks clock it, which bounds what a pipeline message can
+find queued ahead of it, on the sender's uplink and on the receiver's downlink. Part size is therefore
+the preemption granularity: smaller parts, finer priority.
 
 Rejected. Marking packets (DSCP, SO_PRIORITY): the bytes leave through p2pd's sockets, which we do not
 own, and home routers ignore the marks. A fixed rate cap on averaging: needs the link rate and wastes
-the link whenever the pipeline idles. LEDBAT-style backoff on queueing delay (uTP, RFC 6817): the right
-tool for the receiver's downlink, which this gate does not see, but it needs per-part one-way delay
-samples the ring protocol does not carry; left for later.
+the link whenever the pipeline idles. A fixed longest wait per part: the share then depends on part size
+and link rate (measured: with 1 MiB parts at 25 Mbit/s, a 0.25 s cap left averaging most of the link,
+because a pipeline with several sends in flight is almost never idle at a part boundary). LEDBAT-style
+backoff on queueing delay (uTP, RFC 6817): the right tool for the receiver's downlink, which this gate
+does not see, but it needs per-part one-way delay samples the ring protocol does not carry.
 
 Limits. Only this peer's own sends are seen: a neighbour's averaging parts can still queue on this
-peer's downlink ahead of a gradient arriving from another peer (the unacknowledged window bounds how
-many). The gate is per event loop and not thread-safe, like everything else in the transport.
+peer's downlink ahead of a gradient arriving from another peer (the window bounds how many). A
+foreground call counts as in progress until its reply, which includes the receiver's handler time. The
+gate is per event loop and not thread-safe, like the rest of the transport.
 """
 
 from __future__ import annotations
@@ -47,7 +56,8 @@ class GateConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_yield_s: float = Field(default=0.25, ge=0)  # a background part waits at most this long
+    min_share: float = Field(default=0.25, gt=0, le=1)  # background's time share while foreground is busy
+    max_yield_s: float = Field(default=2.0, ge=0)  # a background part waits at most this long
     recent_s: float = Field(default=1.0, ge=0)  # foreground this recent keeps background's window small
     window_bytes: int = Field(default=256 << 10, ge=0)  # background bytes unacknowledged meanwhile
 
@@ -101,8 +111,16 @@ class TrafficGate:
                         waiter.set_result(None)
                 self._idle_waiters.clear()
 
-    async def background_turn(self) -> None:
-        """Wait until no foreground send is in progress, or `config.max_yield_s` passed.
+    def yield_budget_s(self, busy_s: float) -> float:
+        """How long a background part may wait, after the previous one kept the link busy `busy_s`."""
+        share = self.config.min_share
+        return min(self.config.max_yield_s, max(busy_s, 0.0) * (1 - share) / share)
+
+    async def background_turn(self, busy_s: float) -> None:
+        """Wait until no foreground send is in progress, at most `yield_budget_s(busy_s)`.
+
+        Args:
+            busy_s: how long this writer's previous part kept the link busy (0 for a first part).
 
         Cancellation-safe: a cancelled wait leaves nothing behind.
         """
@@ -113,11 +131,11 @@ class TrafficGate:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._idle_waiters.add(waiter)
         try:
-            async with asyncio.timeout(self.config.max_yield_s):
+            async with asyncio.timeout(self.yield_budget_s(busy_s)):
                 await waiter
             self.stats.yielded_turns += 1
         except TimeoutError:
-            self.stats.forced_turns += 1
+            self.stats.forced_turns += 1  # the share floor: background goes even though foreground is busy
         finally:
             self._idle_waiters.discard(waiter)
             self.stats.yielded_s += self._clock() - started

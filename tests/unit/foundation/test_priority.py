@@ -22,17 +22,17 @@ class Clock:
 async def test_background_goes_at_once_when_foreground_is_idle():
     gate = TrafficGate(GateConfig(max_yield_s=10))
     async with asyncio.timeout(0.5):
-        await gate.background_turn()
+        await gate.background_turn(busy_s=5)
     assert gate.stats.background_turns == 1
     assert gate.stats.yielded_turns == gate.stats.forced_turns == 0
 
 
 async def test_background_waits_until_every_foreground_send_ends():
-    gate = TrafficGate(GateConfig(max_yield_s=10))
+    gate = TrafficGate(GateConfig(max_yield_s=10))  # busy_s=5 below: a budget of 10 s
     first, second = gate.foreground(), gate.foreground()
     first.__enter__()
     second.__enter__()
-    turn = asyncio.create_task(gate.background_turn())
+    turn = asyncio.create_task(gate.background_turn(busy_s=5))
     await asyncio.sleep(0.02)
     assert not turn.done()
     first.__exit__(None, None, None)
@@ -45,23 +45,42 @@ async def test_background_waits_until_every_foreground_send_ends():
     assert gate.stats.forced_turns == 0
 
 
-async def test_background_is_never_starved_by_a_busy_foreground():
-    max_yield_s = 0.02
-    gate = TrafficGate(GateConfig(max_yield_s=max_yield_s))
-    with gate.foreground():  # the foreground never pauses
+async def test_background_keeps_its_share_under_a_foreground_that_never_pauses():
+    gate = TrafficGate(GateConfig(min_share=0.25, max_yield_s=10))
+    part_s = 0.01  # each background part keeps the link busy this long
+    with gate.foreground():
         started = time.monotonic()
         for _ in range(5):
-            await gate.background_turn()
+            await gate.background_turn(busy_s=part_s)
+            await asyncio.sleep(part_s)
         elapsed = time.monotonic() - started
     assert gate.stats.forced_turns == 5
-    assert elapsed >= 5 * max_yield_s * 0.9
-    assert elapsed < 5 * max_yield_s + 0.5  # one part per max_yield_s at least: the fairness bound
+    # background's time share is min_share: a part of 10 ms per 40 ms, never less (no starvation)
+    assert elapsed >= 5 * part_s / 0.25 * 0.9
+    assert elapsed < 5 * part_s / 0.25 + 0.3
+
+
+def test_yield_budget_follows_the_share_and_its_cap():
+    gate = TrafficGate(GateConfig(min_share=0.2, max_yield_s=1.0))
+    assert gate.yield_budget_s(0.1) == pytest.approx(0.4)
+    assert gate.yield_budget_s(0.0) == 0.0  # a first part goes at once
+    assert gate.yield_budget_s(5.0) == 1.0  # capped: waits stay short against step deadlines
+    assert TrafficGate(GateConfig(min_share=1.0)).yield_budget_s(3.0) == 0.0  # no priority at all
+
+
+async def test_a_turn_never_waits_longer_than_max_yield():
+    gate = TrafficGate(GateConfig(min_share=0.01, max_yield_s=0.02))
+    with gate.foreground():
+        started = time.monotonic()
+        await gate.background_turn(busy_s=100)
+        assert time.monotonic() - started < 0.3
+    assert gate.stats.forced_turns == 1
 
 
 async def test_a_cancelled_wait_leaves_nothing_behind():
     gate = TrafficGate(GateConfig(max_yield_s=10))
     with gate.foreground():
-        turn = asyncio.create_task(gate.background_turn())
+        turn = asyncio.create_task(gate.background_turn(busy_s=5))
         await asyncio.sleep(0.01)
         turn.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -69,7 +88,7 @@ async def test_a_cancelled_wait_leaves_nothing_behind():
         assert not gate._idle_waiters
     assert not gate.foreground_active
     async with asyncio.timeout(0.5):
-        await gate.background_turn()
+        await gate.background_turn(busy_s=5)
 
 
 async def test_a_failed_foreground_send_still_ends():
