@@ -24,11 +24,12 @@ async def run(args: argparse.Namespace) -> list[dict]:
         clusters = [
             args.stage_peers[i : i + per_cluster] for i in range(0, len(args.stage_peers), per_cluster)
         ]
-        for run_spec in args.runs:
+        for index, run_spec in enumerate(args.runs):
             schedule, window, *rest = run_spec.split(":")
             period = int(rest[0]) if rest else 0
+            repeat = args.runs[:index].count(run_spec)  # a repeated run is a new job
             update = {
-                "job_id": f"{base.job_id}-{schedule}-{window}-{period}",
+                "job_id": f"{base.job_id}-{schedule}-{window}-{period}" + (f"-r{repeat}" if repeat else ""),
                 "schedule": schedule,
                 "max_in_flight": None if window == "auto" else int(window),
                 "averaging_period_steps": period,
