@@ -54,7 +54,7 @@ async def _raw_stream_bytes_per_s(sender: P2PTransport, receiver: P2PTransport, 
         writer.close()
 
     await receiver.p2p.add_binary_stream_handler(_RAW_PROTOCOL, sink)
-    await sender._ensure_connected(receiver.peer_id)  # dial by multiaddr, as every RPC call does first
+    await sender.ensure_connected(receiver.peer_id)  # dial by multiaddr, as every RPC call does first
     payload = bytes(1 << 20)
     best = 0.0
     for _ in range(2):
