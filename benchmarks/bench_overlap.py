@@ -43,13 +43,14 @@ def _speed(result: dict[str, Any], batch: int) -> dict[str, float]:
     metrics = result["metrics"]
     firsts = [m for m in metrics if m["stage"] == 0]
     speeds = [m["step"] * batch / max(m["train_wall_s"], 1e-9) for m in firsts]
-    # averaging payload each peer sent per second of training (mean over peers)
-    avg_mbps = [8e-6 * m["averaging_bytes_sent"] / max(m["train_wall_s"], 1e-9) for m in metrics]
+    # averaging payload a peer sent per second of training (only first stages time `train`)
+    wall_s = sum(m["train_wall_s"] for m in firsts) / len(firsts)
+    avg_bytes = sum(m["averaging_bytes_sent"] for m in metrics) / len(metrics)
     return {
         "samples_per_s": sum(speeds) / len(speeds),
         "rounds": min(m["averaging_rounds"] for m in metrics),
         "round_s": max((m["last_round_s"] or 0.0) for m in metrics),
-        "averaging_mbit_per_s": sum(avg_mbps) / len(avg_mbps),
+        "averaging_mbit_per_s": 8e-6 * avg_bytes / max(wall_s, 1e-9),
     }
 
 
