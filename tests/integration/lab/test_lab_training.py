@@ -24,6 +24,7 @@ from ravnest_p2p.swarm import poll_until
 from ravnest_p2p.training.job import JobSpec, StagePlacement
 from ravnest_p2p.training.metrics import StageMetrics
 from ravnest_p2p.training.replicas import FINAL_ROUND
+from ravnest_p2p.training.stages import load_dataset, steps_per_cluster
 from ravnest_p2p.transport import load_or_create_identity
 from tests.integration.lab._support import assert_no_leftovers, requires_netns
 
@@ -70,10 +71,15 @@ def test_two_clusters_train_on_the_lab_and_agree_after_the_final_round(tmp_path:
         batch_size=32,
         num_epochs=16,
         seed=1,
-        optimizer=OptimizerConfig(name="adam", lr=3e-3),
         averaging_period_steps=10,
         assignment=assignment,
     )
+    # a decaying learning rate: with a constant 3e-3, 2 of 4 runs ended at 97.5 % (97.5-98.3 %), too close
+    steps = steps_per_cluster(job, len(load_dataset(job)[0]), len(SPLITS))
+    optimizer = OptimizerConfig(
+        name="adam", lr=3e-3, schedule="warmup_cosine", warmup_steps=20, total_steps=steps
+    )
+    job = job.model_copy(update={"optimizer": optimizer})
     config = tmp_path / "peer.toml"
     config.write_text(PEER_CONFIG)
     link = {"upload_mbps": LINK_MBPS, "download_mbps": LINK_MBPS}
