@@ -8,6 +8,7 @@ round time = last end - last trigger, matchmaking excluded). The bound is the ri
 2(C-1)/C * S / B_min with B_min the slowest link: at the configured (wire) rate, and at the TCP payload
 rate 0.957 B that htb actually delivers (MTU 1500 headers). With rate-weighted chunks the ring's own
 bound is lower: the busiest link's time under the chunks `weights.py` picks for the ring's order.
+A last run paces every ring stream to `PACE` of its link's payload rate (`RingConfig.pace_fraction`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ravnest_p2p.averaging import build_shard_map
 from ravnest_p2p.averaging.weights import chunk_fractions, link_loads
 
 GOODPUT = 0.957
+PACE = 0.92  # RingConfig.pace_fraction of the paced runs
 _OURS = [sys.executable, "-m", "benchmarks.averaging_peer"]
 _THEIRS = [sys.executable, "-m", "benchmarks.hivemind_averager_peer"]
 
@@ -61,6 +63,7 @@ def _ours(
     *,
     rates: list[float] | None = None,
     port: int = 31400,
+    pace_fraction: float | None = None,
 ) -> dict[str, Any]:
     """Our ring's rounds; with `rates` (per namespace, Mbit/s) the peers size chunks by rate."""
     group = len(lab.addresses)
@@ -70,6 +73,8 @@ def _ours(
     for i, address in enumerate(lab.addresses):
         argv = [*_OURS, "--host", address, "--port", str(port), "--numel", str(size_bytes // 4)]
         argv += ["--rounds", str(rounds), "--control", str(control)]
+        if pace_fraction is not None:
+            argv += ["--pace-fraction", str(pace_fraction)]
         procs.append(lab.start(i, argv))
     hello = [_wait(lab, i, "peer_id", seen[i] + 1, 120)[seen[i]] for i in range(group)]
     data: dict[str, Any] = {"peers": {h["peer_id"]: h["maddrs"] for h in hello}}
@@ -162,6 +167,8 @@ def run_scenario(rates: list[float], size_bytes: int, rounds: int) -> list[dict[
         weighted = _ours(lab, size_bytes, rounds, timeout_s, rates=rates, port=31410)
         label = "ours: RingAllReduce" if uniform else "ours: RingAllReduce, chunks by link rate"
         runs.append((label, weighted))
+        paced = _ours(lab, size_bytes, rounds, timeout_s, rates=rates, port=31420, pace_fraction=PACE)
+        runs.append((f"{label}, paced at {PACE} of the link", paced))
         if os.environ.get("AVG_LAB_OURS_ONLY"):  # for tuning: skip the baseline
             print("\n".join(lab.tail(i, 1500) for i in range(len(rates))), flush=True)
             theirs = weighted

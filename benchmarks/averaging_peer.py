@@ -5,7 +5,8 @@ control file (written atomically by the orchestrator) to list every peer, and ru
 ``"round<k>"`` entry at its wall-clock ``start_at`` (the same clock in every namespace), printing
 ``{"round", "start_t", "end_t", "participants", "error"}``; it exits once the file holds ``"exit"``.
 If the file also holds ``"rates_mbps"`` (peer id -> symmetric link rate), rounds size their chunks by
-rate (`link_rates=`), as a run on the agreed plan would.
+rate (`link_rates=`, as payload bytes/s), as a run on the agreed plan would; ``--pace-fraction`` paces
+each stream to that fraction of its link's payload rate.
 Peer i averages ``base + (i - (C-1)/2)``, so the exact mean is ``base`` (the same seeded vector at
 every peer) and each peer checks its own error.
 """
@@ -24,6 +25,8 @@ import torch
 
 from ravnest_p2p.averaging import RingAllReduce, RingConfig, build_shard_map
 from ravnest_p2p.transport import HostConfig, P2PTransport, RpcEndpoint, load_or_create_identity
+
+_GOODPUT = 0.957  # TCP payload / wire rate on the lab's links (lab/netns.py)
 
 
 async def _control(path: Path, key: str, timeout_s: float) -> Any:
@@ -46,7 +49,11 @@ async def run(args: argparse.Namespace) -> None:
     host = HostConfig(host_maddrs=(maddr,), announce_maddrs=(maddr,), use_relay=False)
     transport = await P2PTransport.create(host, load_or_create_identity(None))
     config = RingConfig(
-        part_size_bytes=args.part_size_bytes, step_timeout_s=60.0, round_timeout_s=900.0, probe_timeout_s=5.0
+        part_size_bytes=args.part_size_bytes,
+        step_timeout_s=60.0,
+        round_timeout_s=900.0,
+        probe_timeout_s=5.0,
+        pace_fraction=args.pace_fraction,
     )
     server = RingAllReduce(RpcEndpoint(transport, "lab-avg"), config)
     await server.start()
@@ -61,7 +68,9 @@ async def run(args: argparse.Namespace) -> None:
         order = sorted(peers)
         control = json.loads(args.control.read_text())  # "rates_mbps" is written together with "peers"
         rates_mbps: dict[str, float] | None = control.get("rates_mbps")
-        link_rates = None if rates_mbps is None else {p: (r, r) for p, r in rates_mbps.items()}
+        # what a bandwidth probe would report: the TCP payload rate, in bytes/s
+        goodput = {p: r * 1e6 / 8 * _GOODPUT for p, r in (rates_mbps or {}).items()}
+        link_rates = None if rates_mbps is None else {p: (r, r) for p, r in goodput.items()}
         shard_map = build_shard_map([[(p, [("0.weight", args.numel)])] for p in order], epoch=0)
         base = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
         offset = order.index(transport.peer_id) - (len(order) - 1) / 2
@@ -99,6 +108,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--part-size-bytes", type=int, default=RingConfig().part_size_bytes)
     parser.add_argument("--control", type=Path, required=True)
+    parser.add_argument("--pace-fraction", type=float, default=None)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("hivemind").setLevel(logging.WARNING)
     logging.getLogger("ravnest_p2p.averaging.partstream").setLevel(logging.DEBUG)

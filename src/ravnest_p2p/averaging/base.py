@@ -31,6 +31,10 @@ class RingConfig(BaseModel):
     max_buffered_messages: int = Field(default=256, ge=0)  # early streams waiting for their round
     # size chunks by the members' link rates when the round is given them (`weights.py`)
     weighted_chunks: bool = True
+    # with link rates in payload bytes/s: send at most this fraction of min(my upload, right's download),
+    # so that my uplink's queue stays short (measured on the lab: unpaced, a member whose downlink is
+    # full uploads at ~65-75% of its rate; paced at 0.92, ~90%); None = as fast as the stream takes
+    pace_fraction: float | None = Field(default=None, gt=0, le=1)
 
 
 @dataclass

@@ -21,7 +21,9 @@ Frames::
 
 from __future__ import annotations
 
+import asyncio
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,6 +39,7 @@ __all__ = [
     "CODEC_IDS",
     "ByteReader",
     "ByteWriter",
+    "Pacer",
     "PartHeader",
     "all_finite",
     "decode_payload",
@@ -130,7 +133,26 @@ def encode_payload(values: torch.Tensor, codec: Compression) -> bytes | memoryvi
     return encode_tensor(values, codec)
 
 
-async def write_part(writer: ByteWriter, header: PartHeader, payload: bytes | memoryview) -> None:
+class Pacer:
+    """Spaces writes to `bytes_per_s` (no credit for idle time, so no burst after a wait)."""
+
+    def __init__(self, bytes_per_s: float, *, slice_bytes: int = 64 << 10) -> None:
+        assert bytes_per_s > 0
+        self.bytes_per_s = bytes_per_s
+        self.slice_bytes = slice_bytes
+        self._next = 0.0
+
+    async def wait(self, nbytes: int) -> None:
+        now = time.monotonic()
+        self._next = max(self._next, now) + nbytes / self.bytes_per_s
+        if self._next > now:
+            await asyncio.sleep(self._next - now)
+
+
+async def write_part(
+    writer: ByteWriter, header: PartHeader, payload: bytes | memoryview, pacer: Pacer | None = None
+) -> None:
+    """Write a part; with `pacer`, its payload in slices spaced to the pacer's rate."""
     assert header.payload_bytes == memoryview(payload).nbytes
     writer.write(
         _PART.pack(
@@ -143,8 +165,16 @@ async def write_part(writer: ByteWriter, header: PartHeader, payload: bytes | me
             header.payload_bytes,
         )
     )
-    writer.write(payload)
-    await writer.drain()
+    if pacer is None:
+        writer.write(payload)
+        await writer.drain()
+        return
+    view = memoryview(payload).cast("B")
+    for start in range(0, max(len(view), 1), pacer.slice_bytes):
+        piece = view[start : start + pacer.slice_bytes]
+        writer.write(piece)
+        await writer.drain()
+        await pacer.wait(len(piece))
 
 
 async def read_part_header(reader: ByteReader) -> PartHeader | None:

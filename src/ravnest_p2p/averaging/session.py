@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 
@@ -48,7 +49,8 @@ __all__ = [
 ]
 
 LinkRates = Mapping[str, tuple[float, float]]
-"""Peer id -> (upload, download) rate, in any unit common to all members (e.g. Mbit/s)."""
+"""Peer id -> (upload, download) rate: any unit common to all members for chunk sizes; payload bytes/s
+if the ring paces its sends (`RingConfig.pace_fraction`)."""
 
 _BYTES_PER_ELEMENT = {
     Compression.NONE: 4,
@@ -157,6 +159,14 @@ class RingSession:
         return chunk_bounds(
             n, [rates[m][0] for m in self.members], download=[rates[m][1] for m in self.members]
         )
+
+    def link_rate(self) -> float | None:
+        """min(my upload, my right neighbour's download) from the link rates, or None if unknown."""
+        rates = self.link_rates
+        if rates is None or self.me not in rates or self.right not in rates:
+            return None
+        rate = min(rates[self.me][0], rates[self.right][1])
+        return rate if math.isfinite(rate) and rate > 0 else None
 
     def stop_attempt(self) -> None:
         """Abort the current attempt: every waiter wakes up with `False`."""

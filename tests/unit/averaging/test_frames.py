@@ -2,12 +2,14 @@
 
 import asyncio
 import struct
+import time
 
 import msgpack
 import pytest
 import torch
 
 from ravnest_p2p.averaging.frames import (
+    Pacer,
     PartHeader,
     all_finite,
     decode_payload,
@@ -116,3 +118,15 @@ def test_payload_of_the_wrong_size_or_values():
     assert not all_finite(torch.tensor([1.0, float("inf")]))
     assert not all_finite(torch.tensor([float("nan")]))
     assert all_finite(torch.tensor([3e38, 3e38]))  # the sum overflows, the values are finite
+
+
+async def test_pacer_spaces_writes_to_its_rate_without_credit_for_idle_time():
+    pacer = Pacer(1_000_000.0)
+    started = time.monotonic()
+    for _ in range(5):
+        await pacer.wait(20_000)  # 5 x 20 ms
+    assert 0.09 <= time.monotonic() - started < 0.5
+    await asyncio.sleep(0.1)  # idle: no burst allowed afterwards
+    started = time.monotonic()
+    await pacer.wait(20_000)
+    assert time.monotonic() - started >= 0.015

@@ -1,6 +1,7 @@
 """Rings with chunks sized by link rate: still the exact mean, less traffic for the slow member."""
 
 import asyncio
+import time
 
 import torch
 
@@ -103,3 +104,25 @@ async def test_members_given_different_rates_refuse_each_other_and_keep_their_va
                 assert len(ring.participants) == 3
                 for name in shard.names:
                     torch.testing.assert_close(averaged[name].double(), expected[name], atol=1e-6, rtol=0)
+
+
+async def test_paced_rings_stay_exact_and_keep_to_the_rate():
+    config = SMALL_PARTS.model_copy(update={"pace_fraction": 0.5})
+    _net, shard_map, servers, cluster_of = await fake_swarm(3, config)
+    rates = {p: (4e5 * (c + 1), 4e5 * (c + 1)) for p, c in cluster_of.items()}  # bytes/s
+    replicas = [replica(seed) for seed in range(3)]
+    expected = mean_of(replicas)
+    started = time.monotonic()
+    results = await run_round(
+        servers, shard_map, replicas, cluster_of, round_index=0, link_rates=lambda p: rates
+    )
+    elapsed = time.monotonic() - started
+    # a cluster-0 member's links run at min(4e5, its neighbour's >= 4e5), paced to half of that
+    slowest_ring_bytes = max(
+        r.bytes_sent for p, (_, m) in results.items() if cluster_of[p] == 0 for r in m.rings
+    )
+    assert elapsed >= slowest_ring_bytes / 2e5 * 0.9
+    for averaged, metrics in results.values():
+        assert all(len(r.participants) == 3 for r in metrics.rings)
+        for name, value in averaged.items():
+            torch.testing.assert_close(value.double(), expected[name], atol=1e-6, rtol=0)
