@@ -27,10 +27,11 @@ left neighbour (logged per attempt), so the rest is libp2p's stream and per-roun
 25/50/100/200 Mbit/s links, equal chunks make every member move 2(C-1)/C of the shard through the
 25 Mbit/s link (40 s vs hivemind's bandwidth-balanced 31.6 s). Given the members' link rates
 (`all_reduce(..., link_rates=)`), chunks are sized by rate (`weights.py`: member i sends
-2S - c[i+1] - c[i+2], so the slow member's traffic drops to S): 30.1 s in the same run where equal
-chunks took 41.7 s and hivemind 31.7 s, but only 0.68 of the weighted ring's own 20.5 s bound (the
-25 Mbit/s member's neighbour streams at ~18 Mbit/s into it, not the 24 a lone libp2p stream reaches
-there, even both ways at once; cause not found).
+2S - c[i+1] - c[i+2], so the slow member's traffic drops to S): 29.9-30.1 s where equal chunks took
+41.7-44.5 s and hivemind 31.5-31.7 s, 0.68 of the weighted ring's own 20.5 s bound: the 25 Mbit/s
+member, receiving and sending at once over two connections, uploads at ~15-18 of its 24 Mbit/s of
+payload (a 3-namespace stream test; both ways over one connection reach ~23). Pacing each stream to
+0.92 of its link (`RingConfig.pace_fraction`, opt-in) keeps the queues short: 25.5 s (0.81x hivemind).
 Rejected: several streams per neighbour (the link, not the stream, is the limit on the lab); larger
 parts (1 MiB already makes per-part costs negligible, and the pipeline's fill time grows with the part).
 

@@ -39,8 +39,9 @@ Limits. Only link rates count: per-part costs, the fill of the pipeline and CPU 
 chunk on a slow link makes single steps long: `RingConfig.step_timeout_s` must exceed the time the
 slowest link needs for one part times the ring's depth, as before, but a member may now wait for its
 left neighbour while that one moves a large chunk; the lab benchmark uses 60 s. Measured
-(benchmarks/results/averaging_lab.md, 64 MB, 25/50/100/200 Mbit/s): 30.1 s against 41.7 s with equal
-chunks and hivemind's 31.7 s, 0.68 of this LP's 20.5 s (the slow member's links run below their rate).
+(benchmarks/results/averaging_lab.md, 64 MB, 25/50/100/200 Mbit/s): 29.9 s against 44.5 s with equal
+chunks and hivemind's 31.5 s, 0.68 of this LP's 20.5 s (the slow member's links run below their rate;
+25.5 s with paced streams, see `ring.py`).
 """
 
 from __future__ import annotations
