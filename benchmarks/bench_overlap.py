@@ -66,6 +66,7 @@ def measure(link_mbps: float, *, quick: bool = False, period: int = PERIOD_STEPS
             split=[(0, 3), (3, 5)],
             runs=[without_spec, with_spec, with_spec, without_spec],
             workdir=Path(tmp),
+            timeout_s=300,  # a job takes under a minute: fail fast instead of holding the lab lock
         )
     a1, b1, b2, a2 = (_speed(r, job.batch_size) for r in results)
     without = (a1["samples_per_s"] + a2["samples_per_s"]) / 2
