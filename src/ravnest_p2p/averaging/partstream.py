@@ -21,7 +21,8 @@ upload 15-17 Mbit/s unpaced, 21.8 paced at 22.
 
 Priority: when the stream's writer is a `BackgroundWriter`, each part first yields to this peer's
 pipeline sends (`transport/priority.py`): while they are busy, at most a window of parts stays
-unacknowledged, and a part waits (bounded) for the pipeline send in progress to end.
+unacknowledged, and a part waits for the pipeline send in progress to end, for at most a budget that
+leaves averaging `GateConfig.min_share` of the link's time.
 """
 
 from __future__ import annotations
