@@ -150,7 +150,7 @@ def _summarise(run: dict[str, Any], link_mbps: float) -> dict[str, Any]:
     single = _single_process(job)
     row["single_process_peak_rss_mb"] = single["peak_rss_mb"]
     window = default_window(len(run["split"]))
-    row["async_over_gpipe"] = row["async_wauto_samples_per_s"] / row[f"gpipe_w{window}_samples_per_s"]
+    row["async_over_gpipe"] = row[f"async_w{window}_samples_per_s"] / row[f"gpipe_w{window}_samples_per_s"]
     return row
 
 
@@ -170,13 +170,13 @@ def main(quick: bool = False) -> None:
         notes=(
             "3-stage MLP pipeline, one peer process per lab namespace (htb links, CPU capped by cgroup), "
             "researcher in a 4th namespace. async_wN = 1F1B without flushes, N micro-batches in flight "
-            "(N=3: PipeDream's window = stages; N=7: the cap 3S-2); async_wauto = the default, a window "
-            "adapted from measured delivery rate x min round trip between 3 and 7 (settled_window: its "
-            "value at the end); gpipe_w7 = fill-drain of 7 micro-batches at a time, one optimizer step "
-            "each. bound = batch / slowest stage, stage time = max(measured compute per micro-batch on that "
-            "peer in this run, link time: a stage's uplink carries its activations and its input's "
-            "gradient, at 0.957 x htb rate). Goal: async_wauto_over_bound >= 0.9; async_over_gpipe uses "
-            "async_wauto. Peak RSS is per stage process (max over stages)."
+            "(N=3: PipeDream's window = stages; N=7: the default 3S-2); async_wauto = the experimental "
+            "adaptive window (delivery rate x min round trip, between 3 and 7; settled_window: its value at "
+            "the end); gpipe_w7 = fill-drain of 7 micro-batches at a time, one optimizer step each. bound = "
+            "batch / slowest stage, stage time = max(measured compute per micro-batch on that peer in this "
+            "run, link time: a stage's uplink carries its activations and its input's gradient, at 0.957 x "
+            "htb rate). Goal: async_w7_over_bound >= 0.9; async_over_gpipe uses async_w7. Peak RSS is per "
+            "stage process (max over stages)."
         ),
     )
 

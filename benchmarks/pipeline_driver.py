@@ -32,6 +32,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
                 "job_id": f"{base.job_id}-{schedule}-{window}-{period}" + (f"-r{repeat}" if repeat else ""),
                 "schedule": schedule,
                 "max_in_flight": None if window == "auto" else int(window),
+                "adaptive_window": window == "auto",
                 "averaging_period_steps": period,
                 "assignment": tuple(
                     tuple(

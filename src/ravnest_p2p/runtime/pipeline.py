@@ -18,8 +18,8 @@ __all__ = ["PipelineConfig", "StageStats", "Work", "default_window", "tensor_byt
 def default_window(num_stages: int) -> int:
     """The most micro-batches in flight a pipeline may need: ``3 * num_stages - 2``.
 
-    The adaptive window (`runtime.window.InflightWindow`) moves between ``num_stages`` and this cap; a
-    fixed `max_in_flight` replaces both. PipeDream admits ``num_stages`` micro-batches, which saturates
+    The experimental adaptive window (`runtime.window.InflightWindow`, opt-in) moves between
+    ``num_stages`` and the window. PipeDream admits ``num_stages`` micro-batches, which saturates
     a pipeline whose communication is free. Over volunteer links a transfer takes as long as a stage's
     compute, so each link direction is a pipeline resource too: a micro-batch's round trip visits S
     computes and 2(S-1) link directions, at most ``(3S - 2) x`` the slowest one's time; that many in
@@ -34,8 +34,9 @@ def default_window(num_stages: int) -> int:
 class PipelineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_in_flight: int | None = Field(
-        default=None, ge=1, description="fixed window; None: adaptive, up to `default_window`"
+    max_in_flight: int | None = Field(default=None, ge=1, description="window; None: `default_window`")
+    adaptive_window: bool = Field(
+        default=False, description="first stage adapts its window between S and max_in_flight (experimental)"
     )
     compression: Compression = Compression.NONE
     send_timeout_s: float = Field(default=60.0, gt=0)
@@ -53,8 +54,21 @@ class StageStats:
     bytes_sent: int = 0
     compute_s: float = 0.0  # time this stage's work spent on the compute thread (fwd, bwd, eval)
     train_wall_s: float = 0.0  # first stage: wall time inside `train` calls
+    send_busy_s: float = 0.0  # wall time with at least one send (call until its reply) in progress
+    sends_in_progress: int = 0
+    _busy_since: float = 0.0
     started_monotonic: float = dataclasses.field(default_factory=time.monotonic)
     recent: deque[tuple[float, int]] = dataclasses.field(default_factory=lambda: deque(maxlen=64))
+
+    def send_started(self) -> None:
+        if self.sends_in_progress == 0:
+            self._busy_since = time.perf_counter()
+        self.sends_in_progress += 1
+
+    def send_ended(self) -> None:
+        self.sends_in_progress -= 1
+        if self.sends_in_progress == 0:
+            self.send_busy_s += time.perf_counter() - self._busy_since
 
     def samples_per_s(self) -> float:
         if len(self.recent) < 2:

@@ -1,7 +1,7 @@
 """One peer's pipeline stage on the network: asynchronous 1F1B without flushes (PipeDream-style).
 
-The first stage admits micro-batches through a window: `max_in_flight` if configured, else adapted to
-the pipeline's measured rate and round trip (`runtime.window.InflightWindow`, up to `default_window`);
+The first stage admits micro-batches through a window of `max_in_flight` (default: `default_window`;
+optionally adapted to the measured rate and round trip below that, `runtime.window.InflightWindow`);
 each stage runs forward, hands activations (with the labels, which travel to the last stage) to the
 next peer, and runs backward when the gradient comes back; optimizer steps happen inside the
 `StageExecutor` (with weight stashing) every `update_every` backwards. Nothing ever waits for the whole
@@ -90,7 +90,7 @@ class StageService:
         # the in-flight limit: fixed when configured, else adapted between S and the cap (first stage)
         self.window_cap = self.config.max_in_flight or default_window(num_stages)
         self.window: InflightWindow | None = None
-        if self.config.max_in_flight is None and stage_index == 0:
+        if self.config.adaptive_window and stage_index == 0:
             self.window = InflightWindow(floor=min(num_stages, self.window_cap), cap=self.window_cap)
         self.prev_peer = cluster_peers[stage_index - 1] if stage_index > 0 else None
         self.next_peer = cluster_peers[stage_index + 1] if stage_index < len(cluster_peers) - 1 else None
@@ -390,6 +390,15 @@ class StageService:
         self._tasks.spawn(self._send_with_retries(peer, method, request, tensors), name=f"send-{method.name}")
 
     async def _send_with_retries(
+        self, peer: str, method: RpcMethod[Any, Any], request: BaseModel, tensors: Sequence[Tensor]
+    ) -> None:
+        self.stats.send_started()
+        try:
+            await self._send_attempts(peer, method, request, tensors)
+        finally:
+            self.stats.send_ended()
+
+    async def _send_attempts(
         self, peer: str, method: RpcMethod[Any, Any], request: BaseModel, tensors: Sequence[Tensor]
     ) -> None:
         for attempt in range(1, self.config.send_attempts + 1):

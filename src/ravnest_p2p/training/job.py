@@ -50,9 +50,10 @@ class JobSpec(_Config):
         num_epochs: passes over each cluster's shard of the data.
         max_steps: cap on micro-batches per cluster (None: the epochs decide).
         min_stages: the planner gives every cluster at least this many stages (peers).
-        max_in_flight: micro-batches in a pipeline at once. None: the first stage adapts it to the
-            measured delivery rate and round trip, between stages and 3 x stages - 2
-            (`runtime.window.InflightWindow`; GPipe: 3 x stages - 2).
+        max_in_flight: micro-batches in a pipeline at once (None: 3 x stages - 2, see
+            `runtime.pipeline.default_window`).
+        adaptive_window: experimental; the first stage sizes its window between the number of stages
+            and max_in_flight from measured delivery rate x min round trip (`runtime.window`).
         update_every: backwards per optimizer step.
         schedule: ``async_1f1b`` (no flushes) or ``gpipe`` (synchronous fill-drain of one window at a
             time; use ``update_every = max_in_flight`` for GPipe's semantics) — the baseline we compare to.
@@ -72,6 +73,7 @@ class JobSpec(_Config):
     num_epochs: int = Field(default=1, ge=1, le=10_000)
     max_steps: int | None = Field(default=None, ge=1)
     max_in_flight: int | None = Field(default=None, ge=1, le=1024)
+    adaptive_window: bool = False
     min_stages: int = Field(default=1, ge=1, le=1024)
     update_every: int = Field(default=1, ge=1)
     recompute: bool = False

@@ -35,6 +35,7 @@ class StageMetrics(WireModel):
     window: int = Field(default=0, ge=0, le=1_000_000, description="first stage: in-flight limit now")
     bytes_sent: int = Field(default=0, ge=0)
     compute_s: float = Field(default=0.0, ge=0, le=1e9)
+    send_busy_s: float = Field(default=0.0, ge=0, le=1e9, description="time with a send in progress")
     averaging_rounds: int = Field(default=0, ge=0)
     averaging_bytes_sent: int = Field(default=0, ge=0)
     last_round_s: float | None = Field(default=None, ge=0, le=1e9)

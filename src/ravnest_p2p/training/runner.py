@@ -132,6 +132,7 @@ class StageRunner:
             window=service.window_size if service.is_first else 0,
             bytes_sent=stats.bytes_sent,
             compute_s=stats.compute_s,
+            send_busy_s=stats.send_busy_s,
             averaging_rounds=len(self.replicas.rounds) if self.replicas else 0,
             averaging_bytes_sent=self.replicas.bytes_sent if self.replicas else 0,
             last_round_s=rounds[-1].time_s if rounds else None,
@@ -175,17 +176,18 @@ class StageRunner:
         """Train this stage until the job is done (or fails); return the final metrics."""
         job, placement = self.job, self.placement
         stage = placement.stages[placement.stage_index]
-        # GPipe fills and drains a fixed window; the async schedule adapts its window up to the cap
-        cap = job.max_in_flight or default_window(len(placement.stages))
-        fixed = cap if job.max_in_flight or job.schedule == "gpipe" else None
-        executor = build_stage(job, stage.first_layer, stage.end_layer, max_in_flight=cap)
+        window = job.max_in_flight or default_window(len(placement.stages))
+        adaptive = job.adaptive_window and job.schedule == "async_1f1b"
+        executor = build_stage(job, stage.first_layer, stage.end_layer, max_in_flight=window)
         self.service = service = StageService(
             self.rpc,
             executor,
             epoch=placement.epoch,
             cluster_peers=placement.peers,
             stage_index=placement.stage_index,
-            config=PipelineConfig(max_in_flight=fixed, compression=job.compression),
+            config=PipelineConfig(
+                max_in_flight=window, adaptive_window=adaptive, compression=job.compression
+            ),
         )
         smap = shard_map_for(job, epoch=placement.epoch)
         if smap is not None:
