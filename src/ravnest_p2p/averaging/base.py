@@ -22,7 +22,7 @@ class RingConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    part_size_bytes: int = Field(default=1 << 20, ge=1024, le=32 << 20)
+    part_size_bytes: int = Field(default=256 << 10, ge=1024, le=32 << 20)
     compression: Compression = Compression.NONE
     step_timeout_s: float = Field(default=10.0, gt=0)
     round_timeout_s: float = Field(default=120.0, gt=0)

@@ -33,7 +33,11 @@ member, receiving and sending at once over two connections, uploads at ~15-18 of
 payload (a 3-namespace stream test; both ways over one connection reach ~23). Pacing each stream to
 0.92 of its link (`RingConfig.pace_fraction`, opt-in) keeps the queues short: 25.5 s (0.81x hivemind).
 Rejected: several streams per neighbour (the link, not the stream, is the limit on the lab); larger
-parts (1 MiB already makes per-part costs negligible, and the pipeline's fill time grows with the part).
+parts. Parts are 256 KiB (were 1 MiB): a pipeline message sharing the uplink waits behind at most one
+part (84 ms at 25 Mbit/s instead of 335 ms); with the traffic gate this took pipeline samples/s while
+averaging from 0.76 to 1.02-1.09 of without at 25 Mbit/s (`bench_overlap`), and the lab ring times
+stayed within noise (64 MB, 4 x 100 Mbit/s: 9.45 s vs 8.98-9.54 s with 1 MiB; 25/50/100/200 with chunks
+by rate: 23.5 s vs 29.9 s).
 
 Faults. Every send and every wait has the step deadline, every round the round deadline: nothing waits
 forever. When an attempt fails at a member (a send fails or times out, a part does not arrive in time,
