@@ -59,6 +59,8 @@ class JobSpec(_Config):
             time; use ``update_every = max_in_flight`` for GPipe's semantics) — the baseline we compare to.
         eval_every_steps: evaluate on held-out data every this many micro-batches (0: only at the end).
         averaging_period_steps: average replicas across clusters every this many micro-batches.
+        averaging_period_s: average every this many seconds of wall clock instead (overrides the
+            steps; pairs clusters that run at different speeds).
         assignment: explicit clusters (each an ordered list of stages) instead of the planner's plan.
     """
 
@@ -83,6 +85,7 @@ class JobSpec(_Config):
     eval_every_steps: int = Field(default=0, ge=0)
     eval_batch_size: int = Field(default=256, ge=1)
     averaging_period_steps: int = Field(default=0, ge=0)
+    averaging_period_s: float = Field(default=0.0, ge=0, le=86_400)
     assignment: tuple[tuple[StagePlacement, ...], ...] | None = None
 
     @model_validator(mode="after")

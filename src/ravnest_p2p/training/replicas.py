@@ -2,10 +2,14 @@
 
 Every stage owner of every cluster derives the same shard map from the job's assignment (parameters
 keyed by global name, cut at every cluster's stage boundaries) and joins the rings of the shards it owns.
-Rounds are paired by optimizer step: round r starts on each replica when it finishes step
-r x `averaging_period_steps`, runs in the background (delayed averaging: the average of the snapshot,
-plus what the stage learned meanwhile), and is skipped by a replica whose previous round is still
-running — its ring partners then finish without it at their deadline rather than wait.
+Rounds are paired by optimizer step — round r starts on each replica when it finishes step
+r x `averaging_period_steps` — or, with `averaging_period_s`, by wall-clock period: round r starts at
+r x period seconds of the epoch clock on every replica, which keeps clusters of different speeds
+pairing up (by step, a faster cluster drifts ahead until its partners arrive after the deadline and
+every round runs alone; seen on the lab). A round runs in the background (delayed averaging: the
+average of the snapshot, plus what the stage learned meanwhile), and is skipped by a replica whose
+previous round is still running — its ring partners then finish without it at their deadline rather
+than wait.
 
 At the last step every stage runs one more round synchronously, holding its pipeline work, so the
 replicas end training with identical weights (and evaluation sees them).
@@ -17,6 +21,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 from collections.abc import Mapping
 
 import torch
@@ -94,12 +99,14 @@ class ReplicaAverager:
         *,
         period_steps: int,
         final_step: int,
+        period_s: float = 0.0,
         config: RingConfig | None = None,
     ) -> None:
         self.rings = RingAllReduce(rpc, config or RingConfig())
         self.executor = executor
         self.shard_map = shard_map
-        self.period_steps = period_steps
+        self.period_steps = 0 if period_s > 0 else period_steps
+        self.period_s = period_s
         self.final_step = final_step
         self.averager = Averager(
             # rounds are started here (`on_step`), not by the averager's own loop; its period is unused
@@ -117,6 +124,24 @@ class ReplicaAverager:
 
     async def start(self) -> None:
         await self.rings.start()
+        if self.period_s > 0:
+            self._tasks.spawn(self._clock(), name="clock")
+
+    async def _clock(self) -> None:
+        """Start round floor(time / period) at every period boundary (the same index on every replica)."""
+        while not self.final_done:
+            now = time.time()
+            index = int(now // self.period_s) + 1
+            await asyncio.sleep(index * self.period_s - now)
+            if not self.final_done:
+                self._start_round(index)
+
+    def _start_round(self, round_index: int) -> None:
+        if self._round is not None and not self._round.done():
+            self.skipped += 1
+            logger.info("averaging round %d skipped: the previous one is still running", round_index)
+            return
+        self._round = self._tasks.spawn(self._run(round_index), name="round")
 
     async def _run(self, round_index: int) -> RoundMetrics | None:
         epoch, num_replicas = self.shard_map.epoch, len(self.shard_map.shards[0].owners)
@@ -143,13 +168,7 @@ class ReplicaAverager:
             await self._run(FINAL_ROUND)
             return
         if self.period_steps and step % self.period_steps == 0:
-            if self._round is not None and not self._round.done():
-                self.skipped += 1
-                logger.info(
-                    "averaging round %d skipped: the previous one is still running", step // self.period_steps
-                )
-                return
-            self._round = self._tasks.spawn(self._run(step // self.period_steps), name="round")
+            self._start_round(step // self.period_steps)
 
     @property
     def last_round_participants(self) -> int | None:

@@ -194,7 +194,12 @@ class StageRunner:
             train_len = len(self._data()[0])
             final_step = steps_per_cluster(job, train_len, placement.num_clusters) // job.update_every
             self.replicas = ReplicaAverager(
-                self.rpc, executor, smap, period_steps=job.averaging_period_steps, final_step=final_step
+                self.rpc,
+                executor,
+                smap,
+                period_steps=job.averaging_period_steps,
+                period_s=job.averaging_period_s,
+                final_step=final_step,
             )
             await self.replicas.start()
             service.on_step = self.replicas.on_step
