@@ -1,7 +1,7 @@
 """Multi-ring all-reduce across clusters: shard map, rings, delayed (overlapped) averaging."""
 
 from ravnest_p2p.averaging.base import RingConfig, RingMetrics, RoundMetrics
-from ravnest_p2p.averaging.overlap import Averager, AveragerConfig, delayed_average
+from ravnest_p2p.averaging.overlap import Averager, AveragerConfig, delayed_average, wait_for_period_boundary
 from ravnest_p2p.averaging.ring import RingAllReduce
 from ravnest_p2p.averaging.shards import (
     Shard,
@@ -26,4 +26,5 @@ __all__ = [
     "delayed_average",
     "floating_entries",
     "layer_order_key",
+    "wait_for_period_boundary",
 ]

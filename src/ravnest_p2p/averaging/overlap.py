@@ -36,7 +36,7 @@ from ravnest_p2p.averaging.session import LinkRates
 from ravnest_p2p.averaging.shards import ShardMap
 from ravnest_p2p.utils.aio import TaskOwner, run_in_compute_thread
 
-__all__ = ["Averager", "AveragerConfig", "delayed_average"]
+__all__ = ["Averager", "AveragerConfig", "delayed_average", "wait_for_period_boundary"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,17 @@ def delayed_average(
         delta = now.detach().to(torch.float32) - then.to(torch.float32)
         out[name] = (avg.to(torch.float32) + delta).to(now.dtype)
     return out
+
+
+async def wait_for_period_boundary(period_s: float) -> int:
+    """Sleep until the next multiple of `period_s` on the wall clock; return its index (time // period).
+
+    Replicas pair rounds by these indices: the same boundary has the same index on every peer.
+    """
+    now = time.time()
+    round_index = int(now // period_s) + 1
+    await asyncio.sleep(round_index * period_s - now)
+    return round_index
 
 
 class AveragerConfig(BaseModel):
@@ -180,11 +191,7 @@ class Averager:
     async def _next_round(self) -> int:
         if self.config.period_s is None:
             return await self._trigger.get()
-        period = self.config.period_s
-        now = time.time()  # wall clock: replicas pair rounds by the same period boundaries
-        round_index = int(now // period) + 1
-        await asyncio.sleep(round_index * period - now)
-        return round_index
+        return await wait_for_period_boundary(self.config.period_s)
 
     async def _loop(self) -> None:
         while True:

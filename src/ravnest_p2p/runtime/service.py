@@ -87,7 +87,7 @@ class StageService:
         self.index = stage_index
         self.config = config or PipelineConfig()
         num_stages = len(cluster_peers)
-        # the in-flight limit: fixed when configured, else adapted between S and the cap (first stage)
+        # the in-flight limit; with `adaptive_window`, the first stage adapts it between S and this cap
         self.window_cap = self.config.max_in_flight or default_window(num_stages)
         self.window: InflightWindow | None = None
         if self.config.adaptive_window and stage_index == 0:

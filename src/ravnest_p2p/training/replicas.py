@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import time
 from collections.abc import Mapping
 
 import torch
@@ -34,6 +33,7 @@ from ravnest_p2p.averaging import (
     RoundMetrics,
     ShardMap,
     build_shard_map,
+    wait_for_period_boundary,
 )
 from ravnest_p2p.models import build_model
 from ravnest_p2p.runtime.stage import StageExecutor
@@ -130,9 +130,7 @@ class ReplicaAverager:
     async def _clock(self) -> None:
         """Start round floor(time / period) at every period boundary (the same index on every replica)."""
         while not self.final_done:
-            now = time.time()
-            index = int(now // self.period_s) + 1
-            await asyncio.sleep(index * self.period_s - now)
+            index = await wait_for_period_boundary(self.period_s)
             if not self.final_done:
                 self._start_round(index)
 
