@@ -143,7 +143,11 @@ def test_hetero8_cli_up_status_down_measures_the_profile(tmp_path: Path) -> None
             return all(r["found"] and r["upload_mbps"] and r["download_mbps"] for r in rows)
 
         # slow peers run on 0.13 CPU: start-up and first probes take a while on a loaded 2-core host
-        poll_until(status_shows_all_measured, 90, what="status to show 8 measured peers", interval_s=1)
+        try:
+            poll_until(status_shows_all_measured, 90, what="status to show 8 measured peers", interval_s=1)
+        except TimeoutError:
+            print("ROWS", json.dumps(rows))
+            raise
         assert [r["name"] for r in rows] == [p.name for p in state.peers]
         configured = [r["configured_upload_mbps"] for r in rows]
         measured = [r["upload_mbps"] for r in rows]
