@@ -40,11 +40,17 @@ class RunClient:
 
     def __init__(self, dht: RunDHT) -> None:
         self.dht = dht
-        self._directory = PeerDirectory(dht)
+        self._directory = PeerDirectory(dht, dht.transport, dial_new_peers=True)
 
     @classmethod
     async def connect(cls, initial_peers: Sequence[str], run_id: str = "default") -> RunClient:
-        return cls(await RunDHT.join_as_client(initial_peers, run_id=run_id))
+        client = cls(await RunDHT.join_as_client(initial_peers, run_id=run_id))
+        try:
+            await client.peers()  # dials the peers our initial peers know of: the whole DHT becomes reachable
+        except BaseException:
+            await client.aclose()
+            raise
+        return client
 
     async def peers(self) -> list[PeerRecord]:
         """Live, valid peer records of the run, sorted by peer id."""

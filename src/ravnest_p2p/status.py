@@ -31,7 +31,10 @@ async def fetch_run(
     """Records (sorted by peer id), the newest epoch they report, and the ``plan/<epoch>`` digests."""
     dht = await RunDHT.join_as_client(initial_peers, run_id=run_id, timeout_s=timeout_s)
     try:
-        peers = await PeerDirectory(dht).refresh()
+        directory = PeerDirectory(dht, dht.transport, dial_new_peers=True)
+        peers = await directory.refresh()  # read via our initial peers, then dial whom they name
+        if directory.num_dialled:
+            peers = await directory.refresh()  # now every replica of the key can answer
         epoch = max((r.epoch for r in peers.values()), default=0)
         digests = await DhtPlanBoard(dht).read(epoch)
     finally:

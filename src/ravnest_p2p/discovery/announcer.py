@@ -37,7 +37,9 @@ class Announcer:
         record = self._make_record()
         if state is not None:
             record = record.model_copy(update={"state": state})
-        ok = await self._dht.store_own(PEERS_KEY, record.model_dump(mode="json"), ttl_s=ttl_s or self.ttl_s)
+        ok = await self._dht.store_own(
+            PEERS_KEY, record.model_dump(mode="json"), ttl_s=ttl_s or self.ttl_s, pin_to_initial_peers=True
+        )
         if ok:
             self.num_published += 1
         else:

@@ -2,17 +2,30 @@
 
 Every peer signs with its identity key (`RSASignatureValidator(identity.private_key)`): hivemind's
 default is one process-wide key, which would make all peers in one test process the same owner.
+
+Reachability: hivemind's DHT messages name nodes by peer id only, and the p2p daemon cannot route to a
+peer it has never been connected to ("routing: not found"; its own peer routing found nobody in the lab,
+not even with the bootstrap in DHT-server mode). A node that others dial learns their addresses from
+those connections, but a DHT *client* (the status tool, a researcher's notebook) is dialled by nobody:
+it reaches its initial peers and no one else, and it read nothing whenever the initial peers were not
+among the replicas of a key (seen: `status` finding 0 of 8 lab peers for minutes). Two things fix it:
+a record stored with ``pin_to_initial_peers`` also goes straight to our initial peers (the bootstrap
+every client starts from holds every peer record), and a client dials the peers those records name
+(`PeerDirectory(dial_new_peers=True)`), after which the whole DHT is reachable.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 from hivemind.dht import DHTNode
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p import P2PDaemonError
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 
 from ravnest_p2p.discovery.records import owner_public_key
@@ -25,6 +38,12 @@ __all__ = ["RunDHT", "dht_time"]
 logger = logging.getLogger(__name__)
 
 
+def _peer_id_of(maddr: str) -> str | None:
+    """The ``/p2p/<id>`` part of a multiaddr, if any."""
+    parts = maddr.rstrip("/").split("/")
+    return parts[parts.index("p2p") + 1] if "p2p" in parts[:-1] else None
+
+
 def dht_time() -> float:
     """The DHT's clock (wall time; records expire by it)."""
     return float(get_dht_time())
@@ -33,10 +52,20 @@ def dht_time() -> float:
 class RunDHT:
     """The DHT as seen by one run: keys are ``ravnest/<run_id>/<name>``; our subkey is our public key."""
 
-    def __init__(self, node: DHTNode, validator: RSASignatureValidator, run_id: str) -> None:
+    def __init__(
+        self,
+        node: DHTNode,
+        validator: RSASignatureValidator,
+        run_id: str,
+        *,
+        transport: P2PTransport | None = None,
+        initial_peer_ids: Sequence[str] = (),
+    ) -> None:
         self._node = node
         self._validator = validator
         self.run_id = run_id
+        self.transport = transport
+        self.initial_peer_ids = tuple(initial_peer_ids)
         self._owned_transport: P2PTransport | None = None
 
     @classmethod
@@ -80,7 +109,9 @@ class RunDHT:
             )
         except (P2PDaemonError, RuntimeError, TimeoutError) as exc:
             raise DiscoveryError(f"cannot join the DHT through {list(initial_peers)}: {exc}") from None
-        return cls(node, validator, run_id)
+        own = transport.peer_id
+        initial_ids = [i for i in dict.fromkeys(_peer_id_of(m) for m in initial_peers) if i and i != own]
+        return cls(node, validator, run_id, transport=transport, initial_peer_ids=initial_ids)
 
     @property
     def own_subkey(self) -> bytes:
@@ -90,10 +121,37 @@ class RunDHT:
     def key(self, name: str) -> str:
         return f"ravnest/{self.run_id}/{name}"
 
-    async def store_own(self, name: str, value: Any, *, ttl_s: float) -> bool:
-        """Store `value` under our own signed subkey of `name`; True if at least one replica took it."""
-        ok = await self._node.store(self.key(name), value, dht_time() + ttl_s, subkey=self.own_subkey)
-        return bool(ok)
+    async def store_own(
+        self, name: str, value: Any, *, ttl_s: float, pin_to_initial_peers: bool = False
+    ) -> bool:
+        """Store `value` under our own signed subkey of `name`; True if at least one replica took it.
+
+        With `pin_to_initial_peers` the initial peers also get a copy, whether or not they are among the
+        key's nearest nodes (see the module docstring).
+        """
+        expiration = dht_time() + ttl_s
+        ok = bool(await self._node.store(self.key(name), value, expiration, subkey=self.own_subkey))
+        if pin_to_initial_peers and self.initial_peer_ids:
+            pinned = await asyncio.gather(
+                *(self._store_at(peer_id, name, value, expiration) for peer_id in self.initial_peer_ids)
+            )
+            ok = ok or any(pinned)
+        return ok
+
+    async def _store_at(self, peer_id: str, name: str, value: Any, expiration: float) -> bool:
+        """Store one signed subkey value at one given node (as `DHTNode.store` does at each replica)."""
+        protocol = self._node.protocol
+        key_id = DHTID.generate(source=self.key(name))
+        record = DHTRecord(
+            key_id.to_bytes(),
+            protocol.serializer.dumps(self.own_subkey),
+            protocol.serializer.dumps(value),
+            expiration,
+        )
+        signed = self._validator.sign_value(record)
+        peer = PeerID.from_base58(peer_id)
+        result = await protocol.call_store(peer, [key_id], [signed], expiration, subkeys=[self.own_subkey])
+        return bool(result and result[0])
 
     async def get_signed(self, name: str) -> dict[str, tuple[Any, float]]:
         """Live subkey values of `name` that name an owner key, as {signer peer id: (value, expiry)}.

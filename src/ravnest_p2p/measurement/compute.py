@@ -33,30 +33,44 @@ def _cache_path() -> Path:
     return Path(base) / "ravnest_p2p" / "compute.json"
 
 
-def cpu_quota() -> str:
-    """This process's cgroup CPU limit as text ('max' when none is readable), for the cache key."""
+def cpu_quota(
+    proc_cgroup: Path = Path("/proc/self/cgroup"), cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> str:
+    """This process's cgroup CPU limit as text, for the cache key ('max' when it has none).
+
+    When the limit cannot be read but the process sits in a CPU cgroup of its own, the answer names that
+    group instead: ``ip netns exec`` (the lab, and many container tools) mounts a fresh ``/sys`` without
+    the cgroup file systems, and reporting 'max' there let every throttled lab peer reuse an unthrottled
+    peer's cached figure (all eight hetero8 peers advertised the same FLOP/s).
+    """
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = proc_cgroup.read_text().splitlines()
     except OSError:
         return "max"
+    unreadable_group = None
     for line in lines:
         _, controllers, group = line.split(":", 2)
         group = group.lstrip("/")
         if controllers == "":  # cgroup v2
-            path = Path("/sys/fs/cgroup") / group / "cpu.max"
+            paths = [cgroup_root / group / "cpu.max"]
         elif "cpu" in controllers.split(","):
-            path = Path("/sys/fs/cgroup/cpu") / group / "cpu.cfs_quota_us"
-            if not path.exists():
-                path = Path("/sys/fs/cgroup/cpu,cpuacct") / group / "cpu.cfs_quota_us"
+            paths = [cgroup_root / d / group / "cpu.cfs_quota_us" for d in ("cpu", "cpu,cpuacct")]
         else:
             continue
-        try:
-            value = path.read_text().strip()
-        except OSError:
+        value = None
+        for path in paths:
+            try:
+                value = path.read_text().strip()
+                break
+            except OSError:
+                continue
+        if value is None:
+            if group and unreadable_group is None:
+                unreadable_group = f"{controllers or 'v2'}:/{group}"
             continue
         if value not in ("-1", "max") and not value.startswith("max "):
             return value
-    return "max"
+    return "max" if unreadable_group is None else f"unknown in {unreadable_group}"
 
 
 def _cache_key(device: str, dtype: str) -> str:

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 MAX_PROBE_BYTES = 16 * 2**20
 MAX_REPORTED_MBPS = 100_000.0  # 100 Gbit/s: beyond any volunteer link; records refuse more than 400k
+MAX_LATENCY_SHARE = 0.1  # of a probe transfer's time that may be discounted as the path's round trip
 
 
 class PingRequest(BaseModel):
@@ -143,20 +144,32 @@ class NetworkMeter:
 
         The growth happens within this probe: a payload that was too short is worth nothing, and waiting
         for the next round (a full `period_s` later) to retry left fast links under-measured for minutes.
-        The next size aims at 1.5x `min_transfer_s` from the rate just seen (2x-16x larger), so a fast
+        The next size aims at 1.5x the target time from the rate just seen (2x-16x larger), so a fast
         link needs one or two retries, not a doubling ladder.
+
+        Latency: one round trip of the call is not transfer, so ``base_s`` (the path's smallest RTT seen)
+        is discounted, but never more than `MAX_LATENCY_SHARE` of the elapsed time, and a transfer must
+        last `1 / MAX_LATENCY_SHARE` base RTTs (as well as `min_transfer_s`). A CPU-capped peer answers
+        pings up to a quota period late, so its first base RTT can be 100-200 ms on a sub-ms link: taken
+        whole, it inflated a 10 Mbit/s uplink to 12.6-13.5 Mbit/s in the lab. Capped, a true RTT still
+        counts in full (the transfer is long enough) and a bogus one costs at most 11 %.
         """
         cfg = self.config
+        target_s = max(cfg.min_transfer_s, base_s / MAX_LATENCY_SHARE)
         while True:
             elapsed = await self._timed_transfer(peer_id, size, upload=upload)
-            if elapsed >= cfg.min_transfer_s or size >= cfg.max_probe_bytes:
-                # one round trip of the call is latency, not transfer; but a payload capped by
-                # max_probe_bytes on a fast link can finish within the base RTT's noise, and subtracting
-                # it all would report absurd rates (seen: 10^6 Mbit/s, which then failed validation of
-                # our own record): never count less than half the elapsed time as transfer
-                transfer_s = max(elapsed - base_s, elapsed / 2, 1e-6)
+            logger.debug(
+                "probe %s %s: %d bytes in %.3f s (base RTT %.1f ms)",
+                "up to" if upload else "down from",
+                peer_id,
+                size,
+                elapsed,
+                base_s * 1000,
+            )
+            if elapsed >= target_s or size >= cfg.max_probe_bytes:
+                transfer_s = max(elapsed - min(base_s, MAX_LATENCY_SHARE * elapsed), 1e-6)
                 return min(size * 8 / 1e6 / transfer_s, MAX_REPORTED_MBPS), size
-            factor = min(16.0, max(2.0, 1.5 * cfg.min_transfer_s / max(elapsed, 1e-6)))
+            factor = min(16.0, max(2.0, 1.5 * target_s / max(elapsed, 1e-6)))
             size = min(int(size * factor), cfg.max_probe_bytes)
 
     async def probe(self, peer_id: str) -> LinkEstimate:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 from hivemind.dht import DHTNode
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
 
+from ravnest_p2p.client import RunClient
 from ravnest_p2p.discovery import PEERS_KEY, PeerDirectory, dht_time
 from ravnest_p2p.transport import HostConfig, P2PTransport, load_or_create_identity
 from ravnest_p2p.types import PeerState
@@ -92,3 +94,27 @@ async def test_draining_peer_is_marked_then_gone(make_swarm):
     await wait_until(
         lambda: leaver.peer_id not in watcher.directory.active(), timeout_s=30, message="inactive"
     )
+
+
+async def test_pinned_records_reach_the_bootstrap_and_a_client_dials_the_peers_it_reads(make_swarm):
+    """A DHT client reaches only its initial peers until it dials others (the daemon cannot route to a
+    peer it never connected to), so the bootstrap must hold every pinned record, replica or not."""
+    peers = await make_swarm(8, run_id="pin")
+    bootstrap, others = peers[0], peers[1:]
+    names = [f"pinned/{i}" for i in range(6)]  # the bootstrap is one of 5 replicas of 8 for all six: ~6 %
+    for peer in others:
+        for name in names:
+            assert await peer.dht.store_own(name, {"from": peer.peer_id}, ttl_s=60, pin_to_initial_peers=True)
+    storage = bootstrap.dht.node.protocol.storage  # its own copy, not a traversal
+    for name in names:
+        stored = storage.get(DHTID.generate(source=bootstrap.dht.key(name)))
+        assert stored is not None, name
+        assert len(stored.value) == len(others), name
+
+    client = await RunClient.connect(bootstrap.maddrs, run_id="pin")
+    try:
+        seen = await client.peers()
+        assert {r.peer_id for r in seen} == {p.peer_id for p in peers}
+        assert client._directory.num_dialled == len(peers)
+    finally:
+        await client.aclose()
