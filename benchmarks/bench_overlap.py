@@ -1,11 +1,12 @@
 """Averaging overlapped with training: pipeline samples/s while averaging ÷ without, on the lab.
 
 Two clusters x two stages (4 peer processes in lab namespaces, shaped links, equal CPU caps) train the
-same job four times in one lab: without periodic averaging (only the closing round) and with a ring
-round every `period` micro-batches, in the background (delayed averaging), in the order without, with,
-with, without (ABBA: a drift of the shared machine's load over the run, or a first run's warm-up, hits
-both sides equally; the first version ran each once, without first, and two runs of the same code gave
-0.69 and 0.88 at 25 Mbit/s). The rings share the links with the pipeline, so the ratio shows what
+same job in one lab: without periodic averaging (only the closing round) and with a ring round every
+`period` micro-batches, in the background (delayed averaging), in blocks of without, with, with, without
+(ABBA: a drift of the shared machine's load over the run, or a first run's warm-up, hits both sides
+equally; the first version ran each once, without first, and two runs of the same code gave 0.69 and
+0.88 at 25 Mbit/s). One block was still noisy (its two pair ratios: 0.98 and 0.82 at 25 Mbit/s, 1.22
+and 0.96 at 100), so `BLOCKS` blocks run and every pair ratio is reported. The rings share the links with the pipeline, so the ratio shows what
 overlapping costs; the averaging MB/s beside it shows what the averaging got (a gate that starves
 averaging would pass the ratio trivially). Goal: >= 0.9.
 """
@@ -23,6 +24,7 @@ from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.training.job import JobSpec
 
 PERIOD_STEPS = 10
+BLOCKS = 3  # ABBA blocks per link rate: one block's two pair ratios spread by up to 0.25
 
 
 def _job(quick: bool) -> JobSpec:
@@ -54,35 +56,43 @@ def _speed(result: dict[str, Any], batch: int) -> dict[str, float]:
     }
 
 
-def measure(link_mbps: float, *, quick: bool = False, period: int = PERIOD_STEPS) -> dict[str, Any]:
-    """One lab at `link_mbps`: runs without, with, with, without averaging; returns the table row."""
+def measure(
+    link_mbps: float, *, quick: bool = False, period: int = PERIOD_STEPS, blocks: int = BLOCKS
+) -> dict[str, Any]:
+    """One lab at `link_mbps`: `blocks` x (without, with, with, without); returns the table row."""
     job = _job(quick)
+    without_spec, with_spec = "async_1f1b:4:0", f"async_1f1b:4:{period}"
     with tempfile.TemporaryDirectory(prefix="ravnest-ov-") as tmp:
-        without_spec, with_spec = "async_1f1b:4:0", f"async_1f1b:4:{period}"
         results = run_jobs(
             num_peers=4,
             link_mbps=link_mbps,
             job=job,
             split=[(0, 3), (3, 5)],
-            runs=[without_spec, with_spec, with_spec, without_spec],
+            runs=[without_spec, with_spec, with_spec, without_spec] * blocks,
             workdir=Path(tmp),
-            timeout_s=300,  # a job takes under a minute: fail fast instead of holding the lab lock
+            timeout_s=300 * blocks,  # a job takes under a minute: fail fast instead of holding the lab lock
         )
-    a1, b1, b2, a2 = (_speed(r, job.batch_size) for r in results)
-    without = (a1["samples_per_s"] + a2["samples_per_s"]) / 2
-    with_avg = (b1["samples_per_s"] + b2["samples_per_s"]) / 2
+    speeds = [_speed(r, job.batch_size) for r in results]
+    withouts = [s for i, s in enumerate(speeds) if i % 4 in (0, 3)]
+    withs = [s for i, s in enumerate(speeds) if i % 4 in (1, 2)]
+    without = sum(s["samples_per_s"] for s in withouts) / len(withouts)
+    with_avg = sum(s["samples_per_s"] for s in withs) / len(withs)
+    # with/without of adjacent runs: (without, with) and (with, without) of every block
+    rate = [s["samples_per_s"] for s in speeds]
+    pairs = [rate[i + 1] / rate[i] for i in range(0, len(rate), 4)]
+    pairs += [rate[i + 2] / rate[i + 3] for i in range(0, len(rate), 4)]
     return {
         "link_mbps": link_mbps,
         "micro_batches": job.max_steps,
         "period_steps": period,
+        "runs": len(speeds),
         "samples_per_s_without": without,
         "samples_per_s_with": with_avg,
         "with_over_without": with_avg / without,
-        "pair_ratios": f"{b1['samples_per_s'] / a1['samples_per_s']:.3f} "
-        f"{b2['samples_per_s'] / a2['samples_per_s']:.3f}",
-        "rounds_with": (b1["rounds"] + b2["rounds"]) / 2,
-        "last_round_s": max(b1["round_s"], b2["round_s"]),
-        "averaging_mbit_per_s_per_peer": (b1["averaging_mbit_per_s"] + b2["averaging_mbit_per_s"]) / 2,
+        "pair_ratios": " ".join(f"{r:.3f}" for r in sorted(pairs)),
+        "rounds_with": sum(s["rounds"] for s in withs) / len(withs),
+        "last_round_s": max(s["round_s"] for s in withs),
+        "averaging_mbit_per_s_per_peer": sum(s["averaging_mbit_per_s"] for s in withs) / len(withs),
     }
 
 
@@ -93,7 +103,7 @@ def main(quick: bool = False) -> None:
     period = PERIOD_STEPS
     rows = []
     for link_mbps in [50.0] if quick else [25.0, 100.0]:
-        row = measure(link_mbps, quick=quick)
+        row = measure(link_mbps, quick=quick, blocks=1 if quick else BLOCKS)
         print(row, flush=True)
         rows.append(row)
     record(
@@ -103,10 +113,11 @@ def main(quick: bool = False) -> None:
             "2 clusters x 2 stages of an MLP (4 peers, 1 namespace each, htb links, equal cgroup CPU caps), "
             "window 4. 'without': only the closing averaging round; 'with': a background ring round every "
             f"{period} micro-batches (delayed averaging), sharing the links with the pipeline; ring parts "
-            "yield to pipeline sends (transport/priority.py TrafficGate, defaults). Runs in the order "
-            "without, with, with, without in one lab; samples/s from the first stages' time inside `train` "
-            "(mean of the two clusters, then of the two runs); pair_ratios: with/without of the adjacent "
-            "pairs; rounds_with: fewest rounds any peer finished (mean of the two runs); "
+            "yield to pipeline sends (transport/priority.py TrafficGate, defaults). Runs in blocks of "
+            "without, with, with, without in one lab (`runs` in all); samples/s from the first stages' time "
+            "inside `train` (mean of the two clusters, then of the runs); pair_ratios: with/without of "
+            "the adjacent pairs, sorted (their spread is the noise); rounds_with: fewest rounds any peer "
+            "finished (mean of the 'with' runs); "
             "averaging_mbit_per_s_per_peer: ring payload each peer sent per second of training. "
             "Goal: with/without >= 0.9."
         ),

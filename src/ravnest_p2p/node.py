@@ -112,7 +112,11 @@ class Peer:
         self.dht = dht
         self.rpc = RpcEndpoint(transport, config.run_id)
         self.meter = NetworkMeter(self.rpc, config.probe)
-        self.directory = PeerDirectory(dht, transport, refresh_period_s=config.directory_refresh_s)
+        # nobody dials a client-mode peer: it dials the peers it reads, or its DHT reaches only its
+        # initial peers (see `discovery.dht`)
+        self.directory = PeerDirectory(
+            dht, transport, refresh_period_s=config.directory_refresh_s, dial_new_peers=config.client_mode
+        )
         self.announcer = Announcer(dht, self._make_record, ttl_s=config.record_ttl_s)
         self.membership = (
             MembershipService(config.membership, self.rpc, self.directory, DhtPlanBoard(dht))
