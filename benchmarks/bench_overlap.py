@@ -6,9 +6,9 @@ same job in one lab: without periodic averaging (only the closing round) and wit
 (ABBA: a drift of the shared machine's load over the run, or a first run's warm-up, hits both sides
 equally; the first version ran each once, without first, and two runs of the same code gave 0.69 and
 0.88 at 25 Mbit/s). One block was still noisy (its two pair ratios: 0.98 and 0.82 at 25 Mbit/s, 1.22
-and 0.96 at 100), so `BLOCKS` blocks run and every pair ratio is reported. The rings share the links with the pipeline, so the ratio shows what
-overlapping costs; the averaging MB/s beside it shows what the averaging got (a gate that starves
-averaging would pass the ratio trivially). Goal: >= 0.9.
+and 0.96 at 100), so `BLOCKS` blocks run and every pair ratio is reported. The rings share the links
+with the pipeline, so the ratio shows what overlapping costs; the averaging MB/s beside it shows what
+the averaging got (a gate that starves averaging would pass the ratio trivially). Goal: >= 0.9.
 """
 
 from __future__ import annotations
