@@ -356,7 +356,7 @@ def _lab(quick: bool) -> None:
     from benchmarks.averaging_lab import GOODPUT, run_scenario
 
     size_bytes = (16 if quick else 64) * 1_000_000
-    rounds = 1 if quick else 2
+    rounds = 1 if quick else 3
     rows = []
     for rates in ([100.0] * NUM_PEERS, [25.0, 50.0, 100.0, 200.0]):
         scenario = run_scenario(rates, size_bytes, rounds)
@@ -366,7 +366,10 @@ def _lab(quick: bool) -> None:
     notes = (
         f"S = {size_bytes / 1e6:g} MB of fp32 among C = {NUM_PEERS} peers, each in its own lab namespace "
         "(htb, symmetric links at the listed Mbit/s), same namespaces for both systems in one run; "
-        f"median of {rounds} round(s). Ours: RingAllReduce, default RingConfig, rounds started at one "
+        f"median of {rounds} round(s) after a warm-up round (its time: first_round_s). Lab peers run TCP "
+        "Reno (the lab's default, standing in for volunteers' CUBIC; the host's BBR lost 18 % of an uplink "
+        "that also carried an incoming flow's ACKs). Ours: RingAllReduce, default RingConfig, rounds "
+        "started at one "
         "wall-clock instant, time = last end - start; with unequal links once with equal chunks and once "
         "with chunks sized by link rate (every peer told every peer's rate, as the agreed plan would; "
         "uniform links give equal chunks either way), and once more paced (RingConfig.pace_fraction: each "

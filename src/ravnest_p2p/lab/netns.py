@@ -31,6 +31,9 @@ Shaping (rates in Mbit/s = 10**6 bit/s):
 - TSO/GSO stay on (changing them needs ``ethtool``, which the project does not install). Both qdiscs
   account a GSO super-packet by its full length, so long-run rates stay exact (see above); we only size
   ``burst`` to hold one such packet (64 KiB) so the bucket never stalls on it.
+- TCP congestion control: each peer namespace gets the profile's ``tcp_congestion_control`` (default
+  ``reno``, standing in for the CUBIC volunteers run; see `SwarmProfile`), not the host's ``bbr``.
+  Only ``pfifo``/``bfifo`` queues exist under the classes here (no ``fq_codel``, ``sfq`` or ``fq``).
 
 What the lab does NOT model: latency, jitter and loss. ``netem`` is not available in this kernel and no
 other qdisc delays packets by itself; a userspace delaying proxy would distort throughput. A sound route
@@ -227,6 +230,9 @@ class NetnsLab:
             ns, inner, outer = self.namespace_of(i), self.interface_of(i), f"{self.prefix}b{i}"
             run(["ip", "netns", "add", ns])
             run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            if self.profile.tcp_congestion_control is not None:
+                sysctl = f"net.ipv4.tcp_congestion_control={self.profile.tcp_congestion_control}"
+                run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", sysctl])
             run(["ip", "-n", ns, "link", "add", inner, "type", "veth", "peer", "name", outer, "netns", br_ns])
             run(["ip", "-n", ns, "addr", "add", f"{lab_address(i)}/15", "dev", inner])
             run(["ip", "-n", ns, "link", "set", inner, "up"])
@@ -235,7 +241,13 @@ class NetnsLab:
             self._shape_upload(ns, inner, peer)
             if peer.download_mbps is not None:
                 self._shape_single(br_ns, outer, peer.download_mbps)
-        logger.info("lab %s up: %d peers, shaping=%s", self.prefix, self.num_peers, self.profile.shaping)
+        logger.info(
+            "lab %s up: %d peers, shaping=%s, tcp=%s",
+            self.prefix,
+            self.num_peers,
+            self.profile.shaping,
+            self.profile.tcp_congestion_control or "host default",
+        )
 
     def _shape_single(self, ns: str, dev: str, mbps: float) -> None:
         if self.profile.shaping is ShapingMode.TBF:

@@ -112,6 +112,12 @@ class SwarmProfile(BaseModel):
         scale: factor applied to a real scenario's bandwidths and message sizes (1.0 = not scaled).
         peers: the peers, in index order (index i gets the i-th lab address).
         workload: optional message sizes for benchmarks.
+        tcp_congestion_control: the TCP congestion control of every peer namespace; None keeps the
+            host's. Default ``reno``: volunteers' machines run loss-based control (CUBIC is the Linux,
+            Windows and macOS default; at the lab's sub-millisecond base RTT it behaves as Reno, and this
+            host allows only ``reno`` and ``bbr`` in namespaces), whereas this host's default is ``bbr``,
+            which lost 18 % of an uplink that also carried the ACKs of an incoming flow (25 Mbit/s: 19.7
+            Mbit/s out with one flow in, 24.0 alone; Reno 23.9 either way), i.e. on every ring member.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -121,6 +127,7 @@ class SwarmProfile(BaseModel):
     scale: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
     peers: Annotated[list[PeerProfile], Field(min_length=1, max_length=4096)]
     workload: WorkloadProfile | None = None
+    tcp_congestion_control: Annotated[str, Field(pattern=r"^[a-z0-9_]{1,16}$")] | None = "reno"
 
     @model_validator(mode="after")
     def _check_names(self) -> SwarmProfile:

@@ -114,3 +114,18 @@ def test_every_shipped_profile_builds(path: Path) -> None:
                 expected_classes = 2 + len(peer.upload_to_mbps)
             assert qdiscs.count("class htb") == expected_classes, (peer.name, qdiscs)
     assert_no_leftovers(prefix, [])
+
+
+def _congestion_control(namespace: str) -> str:
+    cmd = ["ip", "netns", "exec", namespace, "sysctl", "-n", "net.ipv4.tcp_congestion_control"]
+    return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_peers_run_the_profiles_tcp_congestion_control_or_the_hosts() -> None:
+    host = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    default = parse_profile({"run_id": "cc", "peers": [{"name": "a"}]})
+    with NetnsLab(default, prefix=unique_prefix()) as lab:
+        assert _congestion_control(lab.namespace_of(0)) == "reno"
+    inherit = parse_profile({"run_id": "cc", "tcp_congestion_control": None, "peers": [{"name": "a"}]})
+    with NetnsLab(inherit, prefix=unique_prefix()) as lab:
+        assert _congestion_control(lab.namespace_of(0)) == host
