@@ -38,6 +38,12 @@ part (84 ms at 25 Mbit/s instead of 335 ms); with the traffic gate this took pip
 averaging from 0.76 to 1.02-1.09 of without at 25 Mbit/s (`bench_overlap`), and the lab ring times
 stayed within noise (64 MB, 4 x 100 Mbit/s: 9.45 s vs 8.98-9.54 s with 1 MiB; 25/50/100/200 with chunks
 by rate: 23.5 s vs 29.9 s).
+Those lab figures had the host's TCP BBR; with Reno peers (the lab's default since; BBR lost 18 % of an
+uplink that also carried an incoming flow's ACKs) and a warm-up round apart: 4 x 100 Mbit/s 8.93 s
+(0.86 of the bound; a member's parts flow at ~0.94 of the payload rate, the rest is start-up skew and
+the closing acks) vs hivemind 8.74 s; 25/50/100/200 by rate 27.4 s vs hivemind 35.5 s. hivemind's
+all-to-all keeps C-1 flows on every link where a ring member has one: a stall of that one flow idles
+the link, which is the likeliest remaining gap at uniform rates.
 
 Faults. Every send and every wait has the step deadline, every round the round deadline: nothing waits
 forever. When an attempt fails at a member (a send fails or times out, a part does not arrive in time,
