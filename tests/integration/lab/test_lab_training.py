@@ -71,7 +71,7 @@ def test_two_clusters_train_on_the_lab_and_agree_after_the_final_round(tmp_path:
         batch_size=32,
         num_epochs=16,
         seed=1,
-        averaging_period_s=2.0,  # by wall clock: the two clusters run at different speeds
+        averaging_period_s=1.0,  # by wall clock: the two clusters run at different speeds
         assignment=assignment,
     )
     # a decaying learning rate: with a constant 3e-3, 2 of 4 runs ended at 97.5 % (97.5-98.3 %), too close

@@ -33,21 +33,22 @@ def two_clusters(peers: list[str]) -> tuple[tuple[StagePlacement, ...], ...]:
     )
 
 
-@pytest.mark.parametrize("period", [10])
+@pytest.mark.parametrize("period", [2])
 async def test_two_clusters_learn_and_agree_after_the_final_round(period):
     async with local_hosts(6) as transports:
         job = JobSpec(
             job_id="two",
             model="digits_cnn",
             dataset="digits",
-            batch_size=32,
+            batch_size=16,
             num_epochs=10,
             seed=1,
             optimizer=OptimizerConfig(name="adam", lr=3e-3),
             averaging_period_steps=period,
             assignment=two_clusters([t.peer_id for t in transports]),
         )
-        # a decaying learning rate: with a constant 3e-3 a CI run ended at 96.4 % (the bar is 97 %)
+        # a decaying learning rate, batch 16 and a round every 2 steps: with a constant 3e-3, batch 32 and
+        # a round every 10 steps a CI run ended at 96.4 % (the bar is 97 %); now 97.8 % (2 runs)
         steps = steps_per_cluster(job, len(load_dataset(job)[0]), 2)
         optimizer = OptimizerConfig(
             name="adam", lr=3e-3, schedule="warmup_cosine", warmup_steps=20, total_steps=steps
@@ -63,6 +64,7 @@ async def test_two_clusters_learn_and_agree_after_the_final_round(period):
 
     firsts = [m for m in finals if m.stage == 0]
     assert len(firsts) == 2
+    print("accuracy", [m.eval_accuracy for m in firsts])
     for m in firsts:
         assert m.eval_accuracy is not None
         assert m.eval_accuracy >= 0.97, firsts
