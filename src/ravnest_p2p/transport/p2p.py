@@ -6,6 +6,12 @@ length-prefixed frames (`wire.write_frame`). Every handler is registered on both
 
 Dialling: the daemon cannot route to a peer it has never been connected to ("routing: not found"), so
 before the first call to a peer we connect to it by the multiaddrs from its record (`add_addresses`).
+Two peers that dial each other at the same instant (the two members of a ring, whose rounds start on
+the same wall-clock boundary) can both fail the handshake ("noise: message is too short"), after which
+libp2p's dial backoff refuses every redial: seen on the lab as two ring members that never averaged
+together. So a dial first asks the daemon whether a connection (perhaps the other side's) exists, the
+peer with the larger id gives the smaller one `_DIAL_YIELD_S` to dial first, and a failed dial still
+counts as connected when the other side's connection got through.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 _STREAM_SUFFIX = "/stream"
 _RECONNECT_AFTER_S = 30.0
+_DIAL_YIELD_S = 0.5  # how long the larger peer id waits for the smaller one's dial (simultaneous open)
 _MAX_DISCARD_BYTES = 2**30
 _DISCARD_TIMEOUT_S = 10.0
 
@@ -175,11 +182,24 @@ class P2PTransport:
         async with lock:
             if peer_id in self._connected_at and time.monotonic() - self._connected_at[peer_id] < 1.0:
                 return
-            try:
-                await self._p2p._client.connect(PeerID.from_base58(peer_id), maddrs)
-            except P2PDaemonError as exc:
-                raise PeerUnreachable(f"cannot dial {peer_id}: {exc}") from None
+            if not await self._wait_for_connection(peer_id, 0.0 if self.peer_id < peer_id else _DIAL_YIELD_S):
+                try:
+                    await self._p2p._client.connect(PeerID.from_base58(peer_id), maddrs)
+                except P2PDaemonError as exc:
+                    if not await self._wait_for_connection(peer_id, 0.0):
+                        raise PeerUnreachable(f"cannot dial {peer_id}: {exc}") from None
             self._connected_at[peer_id] = time.monotonic()
+
+    async def _wait_for_connection(self, peer_id: str, timeout_s: float) -> bool:
+        """Whether the daemon has a connection to `peer_id` (either side's), polling up to `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(P2PDaemonError):
+                if any(info.peer_id.to_base58() == peer_id for info in await self._p2p.list_peers()):
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
 
     async def add_handler(self, name: str, handler: RawHandler, *, max_request_bytes: int) -> None:
         async def unary(request: BytesValue, context: P2PContext) -> BytesValue:
