@@ -85,14 +85,14 @@ class PeerDirectory:
         return dict(peers)
 
     async def _dial(self, peer_ids: list[str]) -> None:
-        ensure_connected = getattr(self._transport, "ensure_connected", None)
-        if ensure_connected is None or not peer_ids:
+        transport = self._transport
+        if transport is None or not peer_ids:
             return
 
         async def dial(peer_id: str) -> None:
             try:
                 async with asyncio.timeout(self._dial_timeout_s):
-                    await ensure_connected(peer_id)
+                    await transport.ensure_connected(peer_id)
                 self._dialled.add(peer_id)
             except (TimeoutError, TransportError) as exc:
                 logger.debug("cannot dial %s: %r", peer_id, exc)

@@ -47,3 +47,7 @@ class Transport(Protocol):
     def add_addresses(self, peer_id: str, maddrs: Sequence[str]) -> None:
         """Remember where a peer listens, so a later call can dial it directly."""
         ...
+
+    async def ensure_connected(self, peer_id: str) -> None:
+        """Dial `peer_id` now by its remembered addresses (calls do this themselves when needed)."""
+        ...

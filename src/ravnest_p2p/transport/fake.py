@@ -57,6 +57,9 @@ class FakeTransport:
     def add_addresses(self, peer_id: str, maddrs: Sequence[str]) -> None:
         self.known_addresses[peer_id] = list(maddrs)
 
+    async def ensure_connected(self, peer_id: str) -> None:
+        """Nothing to dial in memory."""
+
     async def add_handler(self, name: str, handler: RawHandler, *, max_request_bytes: int) -> None:
         self._handlers[name] = (handler, max_request_bytes)
 
