@@ -7,9 +7,12 @@ r x `averaging_period_steps` — or, with `averaging_period_s`, by wall-clock pe
 r x period seconds of the epoch clock on every replica, which keeps clusters of different speeds
 pairing up (by step, a faster cluster drifts ahead until its partners arrive after the deadline and
 every round runs alone; seen on the lab). A round runs in the background (delayed averaging: the
-average of the snapshot, plus what the stage learned meanwhile), and is skipped by a replica whose
-previous round is still running — its ring partners then finish without it at their deadline rather
-than wait.
+average of the snapshot, plus what the stage learned meanwhile). A round that comes due while the
+previous one still runs is deferred: it starts as soon as that one ends (a newer due round replaces a
+deferred one, which then counts as skipped). Skipping it instead locked partners out of phase on the
+lab: a round that waited for a partner outlasted the 1 s period, so each replica ran every other round,
+one the even ones and its partner the odd ones, and every round ran alone. A deferred round still
+pairs: the partner's stream waits for it (up to the ring's step deadline).
 
 At the last step every stage runs one more round synchronously, holding its pipeline work, so the
 replicas end training with identical weights (and evaluation sees them).
@@ -120,6 +123,7 @@ class ReplicaAverager:
         self._tasks = TaskOwner("replica-averager")
         self.rounds: list[RoundMetrics] = []
         self.skipped = 0
+        self._deferred: int | None = None  # a round that came due while the previous one ran
         self.final_done = False
 
     async def start(self) -> None:
@@ -136,10 +140,22 @@ class ReplicaAverager:
 
     def _start_round(self, round_index: int) -> None:
         if self._round is not None and not self._round.done():
-            self.skipped += 1
-            logger.info("averaging round %d skipped: the previous one is still running", round_index)
+            if self._deferred is not None:
+                self.skipped += 1
+            self._deferred = round_index
+            logger.info("averaging round %d deferred: the previous one is still running", round_index)
             return
-        self._round = self._tasks.spawn(self._run(round_index), name="round")
+        self._round = self._tasks.spawn(self._rounds_from(round_index), name="round")
+
+    async def _rounds_from(self, round_index: int) -> RoundMetrics | None:
+        """Run `round_index`, then whichever round came due meanwhile, until none did."""
+        metrics, index = None, round_index
+        while not self.final_done:
+            metrics = await self._run(index)
+            if self._deferred is None:
+                break
+            index, self._deferred = self._deferred, None
+        return metrics
 
     async def _run(self, round_index: int) -> RoundMetrics | None:
         epoch, num_replicas = self.shard_map.epoch, len(self.shard_map.shards[0].owners)

@@ -31,6 +31,7 @@ __all__ = ["JOB_KEY", "Placement", "StageRunner", "find_placement", "read_job"]
 logger = logging.getLogger(__name__)
 
 JOB_KEY = "job"
+_FINAL_METRICS_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -154,18 +155,38 @@ class StageRunner:
             return {}
         return tensor_digests({**executor.parameters_by_name(), **executor.buffers_by_name()})
 
-    async def publish_metrics(self) -> None:
+    async def publish_metrics(self, *, final: bool = False) -> None:
+        """Store this stage's metrics under `metrics/<epoch>` (best effort while training).
+
+        The `final` publication (done or failed) is what `RunClient.wait_for_job` waits for, and nothing
+        republishes it: it also goes to the initial peers (which every client reaches) and is retried
+        until some replica took it, for at most `_FINAL_METRICS_S`. A lab run lost it once: training
+        and the closing round had finished, the client saw the stale not-done record for 420 s.
+        """
         metrics = self.metrics()
         if self.on_metrics is not None:
             self.on_metrics(metrics)
         if self.dht is None:
             return
-        try:
-            await self.dht.store_own(
-                metrics_key(self.placement.epoch), metrics.model_dump(mode="json"), ttl_s=600
-            )
-        except Exception as exc:
-            logger.debug("metrics publication failed: %r", exc)
+        deadline = time.monotonic() + (_FINAL_METRICS_S if final else 0.0)
+        delay_s = 0.2
+        while True:
+            try:
+                stored = await self.dht.store_own(
+                    metrics_key(self.placement.epoch),
+                    metrics.model_dump(mode="json"),
+                    ttl_s=600,
+                    pin_to_initial_peers=final,
+                )
+            except Exception as exc:
+                stored = False
+                logger.debug("metrics publication failed: %r", exc)
+            if stored or time.monotonic() + delay_s > deadline:
+                if final and not stored:
+                    logger.warning("final metrics of stage %d not stored", self.placement.stage_index)
+                return
+            await asyncio.sleep(delay_s)  # retry backoff
+            delay_s = min(2 * delay_s, 5.0)
 
     async def _metrics_loop(self) -> None:
         while True:
@@ -224,7 +245,7 @@ class StageRunner:
         finally:
             await self._tasks.aclose()
             if not cancelled:
-                await self.publish_metrics()
+                await self.publish_metrics(final=True)
             await service.aclose()
             if self.replicas is not None:
                 await self.replicas.aclose()

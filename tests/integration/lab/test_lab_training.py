@@ -69,7 +69,7 @@ def test_two_clusters_train_on_the_lab_and_agree_after_the_final_round(tmp_path:
         model="digits_cnn",
         dataset="digits",
         batch_size=32,
-        num_epochs=16,
+        num_epochs=24,  # 16 epochs: 96.4-98.1 % in 4 runs, too close to the bar; 24: 97.5-98.3 % in 6
         seed=1,
         averaging_period_s=1.0,  # by wall clock: the two clusters run at different speeds
         assignment=assignment,
