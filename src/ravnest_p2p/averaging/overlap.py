@@ -17,7 +17,10 @@ Limits. The average is one round stale when applied; with rounds much longer tha
 changes of the learning rate this behaves like a larger effective batch, as DaSGD discusses. Rounds are
 numbered by wall-clock period (`period_s`) or by local step count (`period_steps`); replicas pair up by
 round number, so in step mode clusters must step at similar rates (a lagging one joins the next round and
-is dropped from rounds it misses by more than the deadline).
+is dropped from rounds it misses by more than the deadline). A round that comes due while one runs starts
+when that one ends (the newest due round wins): skipping it let two partners lock out of phase, one
+running the even rounds and the other the odd, each round alone (seen on the lab; `training/replicas.py`
+schedules the same way).
 """
 
 from __future__ import annotations
@@ -125,7 +128,6 @@ class Averager:
         self._link_rates = link_rates
         self._tasks = TaskOwner("averager")
         self._trigger: asyncio.Queue[int] = asyncio.Queue(maxsize=1)
-        self._running = False
         self._last_round = 0  # round r starts once step r * period_steps is done
         self.history: list[RoundMetrics] = []
 
@@ -177,12 +179,14 @@ class Averager:
         round_index = step // self.config.period_steps
         if round_index > self._last_round:
             self._last_round = round_index
-            if self._running or self._trigger.full():
-                logger.info("averaging round %d skipped: the previous round is still running", round_index)
-                return
+            if self._trigger.full():  # a newer round replaces the one still waiting
+                replaced = self._trigger.get_nowait()
+                logger.info("averaging round %d skipped: round %d is due", replaced, round_index)
             self._trigger.put_nowait(round_index)
 
     async def start(self) -> None:
+        if self.config.period_s is not None:  # the first round is the next boundary's
+            self._last_round = int(time.time() // self.config.period_s)
         self._tasks.spawn(self._loop(), name="rounds")
 
     async def aclose(self) -> None:
@@ -191,15 +195,17 @@ class Averager:
     async def _next_round(self) -> int:
         if self.config.period_s is None:
             return await self._trigger.get()
-        return await wait_for_period_boundary(self.config.period_s)
+        due = int(time.time() // self.config.period_s)
+        if due > self._last_round:  # its boundary passed while the previous round ran: start it late
+            self._last_round = due
+            return due
+        self._last_round = await wait_for_period_boundary(self.config.period_s)
+        return self._last_round
 
     async def _loop(self) -> None:
         while True:
             round_index = await self._next_round()
-            self._running = True
             try:
                 await self.run_round(round_index)
             except (ValueError, RuntimeError) as exc:
                 logger.warning("averaging round %d failed: %r", round_index, exc)
-            finally:
-                self._running = False

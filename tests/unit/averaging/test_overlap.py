@@ -111,3 +111,30 @@ async def test_no_plan_means_no_round():
     averager._shard_map = lambda: None
     assert await averager.run_round(0) is None
     assert sum(writes.values()) == 0
+
+
+async def test_a_round_due_while_one_runs_starts_after_it_and_the_newest_due_one_wins():
+    # skipping it let two partners lock out of phase (one ran the even rounds, the other the odd)
+    *_, averagers, _cluster_of = await make_averagers(2, AveragerConfig(period_steps=1))
+    averager = next(iter(averagers.values()))
+    ran: list[int] = []
+    release = asyncio.Event()
+
+    async def run_round(index):
+        ran.append(index)
+        if index == 1:
+            await release.wait()
+
+    averager.run_round = run_round
+    await averager.start()
+    try:
+        averager.notify_step(1)
+        await wait_until(lambda: ran == [1], timeout_s=5)
+        averager.notify_step(2)  # due while round 1 runs: waits for it
+        averager.notify_step(3)  # newer: replaces round 2
+        release.set()
+        await wait_until(lambda: ran == [1, 3], timeout_s=5)
+        averager.notify_step(4)
+        await wait_until(lambda: ran == [1, 3, 4], timeout_s=5)
+    finally:
+        await averager.aclose()
