@@ -27,6 +27,8 @@ from ravnest_p2p.utils import TaskOwner, run_in_compute_thread
 
 __all__ = ["EmulationConfig", "Peer", "PeerConfig", "PeerStatus", "rerun_allowed"]
 
+_ADDRESSES_S = 30.0
+
 logger = logging.getLogger(__name__)
 
 
@@ -224,6 +226,29 @@ class Peer:
                 await self._run_stage(job, placement, on_agreed_plan=on_agreed_plan)
             await asyncio.sleep(self.config.job_poll_s)
 
+    async def _learn_addresses(self, peer_ids: list[str]) -> None:
+        """Read the job's peers' records (their addresses), for at most `_ADDRESSES_S`.
+
+        The transport dials a peer by the addresses its record gives; without them the daemon's own
+        routing answers "routing: not found" for a peer it never met. A job published with an assignment
+        can reach this peer before its directory read the other peers' records (lab CI run: a stage's
+        first forwards to its neighbour failed 3 times within a second and the stage failed).
+        """
+        deadline = asyncio.get_running_loop().time() + _ADDRESSES_S
+        while True:
+            missing = [p for p in peer_ids if p != self.peer_id and p not in self.directory.peers]
+            if not missing:
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                logger.warning("no record (addresses) of %d job peers, e.g. %s", len(missing), missing[0])
+                return
+            try:
+                await self.directory.refresh()
+            except Exception as exc:  # a DHT hiccup: try again until the deadline
+                logger.debug("directory refresh failed: %r", exc)
+            if any(p not in self.directory.peers for p in missing):
+                await asyncio.sleep(0.5)  # polling the DHT, bounded by the deadline
+
     async def _run_stage(self, job: JobSpec, placement: Placement, *, on_agreed_plan: bool) -> None:
         """Train our stage; on an agreed plan, start over if the swarm moves to another plan meanwhile.
 
@@ -241,6 +266,8 @@ class Peer:
         self.jobs_done.add(job.job_id)
         self.state = PeerState.TRAINING
         self.announcer.refresh_soon()
+        partners = [s.peer_id for c in job.assignment for s in c] if job.assignment else placement.peers
+        await self._learn_addresses(partners)
         self.runner = StageRunner(self.rpc, self.dht, job, placement)
         run = self._tasks.spawn(self.runner.run(), name=f"job-{job.job_id}")
         try:
