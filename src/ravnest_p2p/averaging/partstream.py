@@ -1,11 +1,23 @@
 """One attempt's data plane: a member streams its parts to its right neighbour and takes its left's.
 
-Sender (`send_attempt`): one stream per (ring, attempt) to the right neighbour; the parts in ring order
-(step by step, part by part), part p of step t as soon as part p of step t-1 arrived from the left, so
-consecutive steps overlap and the link never idles after the first part. Each write waits for the
-stream's back-pressure under the step deadline, so a neighbour that stops reading fails the attempt in
-`step_timeout_s`, never hangs it. A task reads the neighbour's acks; the attempt completes only once the
-neighbour acknowledged every part (an error frame or a broken stream stops the attempt at once).
+Sender (`send_attempt`): `RingConfig.streams_per_neighbour` streams per (ring, attempt) to the right
+neighbour; the parts in ring order (step by step, part by part) dealt round-robin over them, part p of
+step t as soon as part p of step t-1 arrived from the left, so consecutive steps overlap and the link
+never idles after the first part. Each write waits for its stream's back-pressure under the step
+deadline, so a neighbour that stops reading fails the attempt in `step_timeout_s`, never hangs it. A
+task per stream reads the neighbour's acks; the attempt completes only once the neighbour acknowledged
+every part (an error frame or a broken stream stops the attempt at once).
+
+Why more than one stream to the same neighbour: the daemons multiplex streams over one connection, each
+stream with its own flow-control window, and on a loaded uplink the window updates queue behind the
+receiver's own parts. With one stream, the sender's TCP socket held at most ~225-270 segments unacked
+(`ss -ti` in the lab namespaces; congestion window ~700, no losses): the stream window, not the link,
+was the limit, and a member's uplink ran at 0.91-0.94 of the wire rate (0.957 is the TCP payload
+ceiling). Two streams, each driven by its own task so one waiting for its window does not hold back the
+other, keep it at ~0.95: 64 MB among 4 lab peers at 100 Mbit/s, 8.20-8.26 s/round against 8.47-8.88 s
+with one (3 and 4 streams: no better). Two rings running in opposite directions over the shard's halves
+(each member sending to both neighbours) were tried too: 10.1-10.3 s, as the two flows sharing an
+uplink got unequal shares and each half-ring runs at its slowest link's pace.
 
 Receiver (`receive_attempt`): header checked against the session, payload read into a reusable buffer,
 decoded (a view of that buffer when uncompressed), checked (shape, finite), then added in place into the
@@ -31,6 +43,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 
 from ravnest_p2p.averaging.base import RingConfig
 from ravnest_p2p.averaging.frames import (
@@ -136,10 +149,14 @@ async def _send_part(
     session.bytes_sent += header.payload_bytes
 
 
-async def _yield_to_foreground(writer: ByteWriter, acks: _Acks, sent: int, config: RingConfig) -> None:
+async def _yield_to_foreground(
+    writer: ByteWriter, acks: _Acks, sent: int, config: RingConfig, num_streams: int
+) -> None:
     if not isinstance(writer, BackgroundWriter):
         return
     window = writer.gate.background_window_parts(config.part_size_bytes)
+    if window is not None:
+        window = max(1, window // num_streams)  # the gate's window is for all of the attempt's streams
     if window is not None and sent - acks.count >= window:
         started = time.monotonic()
         await acks.wait_for(sent - window + 1, config.step_timeout_s)
@@ -147,23 +164,41 @@ async def _yield_to_foreground(writer: ByteWriter, acks: _Acks, sent: int, confi
     await writer.turn()
 
 
+class _Lane:
+    """One stream of an attempt: its writer, the neighbour's acks on it, the parts it carried."""
+
+    def __init__(self, session: RingSession, reader: ByteReader, writer: ByteWriter) -> None:
+        self.writer = writer
+        self.acks = _Acks()
+        self.sent = 0
+        self.reader_task = asyncio.create_task(
+            _read_acks(session, reader, self.acks), name=f"acks:{session.ring_id}"
+        )
+
+
 async def send_attempt(
-    session: RingSession, reader: ByteReader, writer: ByteWriter, config: RingConfig
+    session: RingSession, streams: Sequence[tuple[ByteReader, ByteWriter]], config: RingConfig
 ) -> None:
-    """Run this member's side of the current attempt over an open stream to its right neighbour.
+    """Run this member's side of the current attempt over open streams to its right neighbour.
+
+    Part k of the attempt (in ring order: step by step, part by part) travels on stream k mod n, each
+    stream driven by its own task, so a stream that waits for its flow-control window does not hold
+    back the parts of the others.
 
     Returns when every part was sent and acknowledged and every part from the left arrived.
 
     Raises:
-        AttemptFailed: a deadline passed, the stream broke, the neighbour refused a part, or the attempt
+        AttemptFailed: a deadline passed, a stream broke, the neighbour refused a part, or the attempt
             was stopped (by a probe or by the receiving side).
     """
+    assert streams
     timeout_s = config.step_timeout_s
-    acks = _Acks()
+    lanes = [_Lane(session, reader, writer) for reader, writer in streams]
 
     def check(arrived: bool, what: str) -> None:
-        if acks.error is not None:
-            raise AttemptFailed(acks.error)
+        for lane in lanes:
+            if lane.acks.error is not None:
+                raise AttemptFailed(lane.acks.error)
         if not arrived:
             raise AttemptFailed(f"{what} did not arrive in {timeout_s}s (or the attempt was stopped)")
 
@@ -177,42 +212,60 @@ async def send_attempt(
     )
     rate = session.link_rate()
     pacer = None if config.pace_fraction is None or rate is None else Pacer(rate * config.pace_fraction)
-    ack_task = asyncio.create_task(_read_acks(session, reader, acks), name=f"acks:{session.ring_id}")
-    sent = 0
+    order = [
+        (step, part)
+        for step in range(session.num_steps)
+        for part in range(session.num_parts(session.send_chunk(step)))
+    ]
     started = time.monotonic()
-    waited_s = 0.0  # time the stream idled because the left neighbour's part had not arrived
+    waited_s = 0.0  # time a stream idled because the left neighbour's part had not arrived
+
+    async def drive(lane: _Lane, parts: list[tuple[int, int]]) -> None:
+        nonlocal waited_s
+        for step, part in parts:
+            if step > 0:
+                t0 = time.monotonic()
+                arrived = await session.wait_received(step - 1, part, timeout_s)
+                waited_s += time.monotonic() - t0
+                check(arrived, f"part {part} of step {step - 1}")
+            await _yield_to_foreground(lane.writer, lane.acks, lane.sent, config, len(lanes))
+            check(session.running, "the attempt")
+            await _send_part(session, lane.writer, step, part, config, pacer)
+            lane.sent += 1
+
+    drivers: list[asyncio.Task[None]] = []
     try:
         try:
-            write_hello(writer, hello)
+            for lane in lanes:
+                write_hello(lane.writer, hello)
         except _STREAM_ERRORS as exc:
             raise AttemptFailed(f"sending to {session.right} failed: {exc!r}") from None
-        for step in range(session.num_steps):
-            for part in range(session.num_parts(session.send_chunk(step))):
-                if step > 0:
-                    t0 = time.monotonic()
-                    arrived = await session.wait_received(step - 1, part, timeout_s)
-                    waited_s += time.monotonic() - t0
-                    check(arrived, f"part {part} of step {step - 1}")
-                await _yield_to_foreground(writer, acks, sent, config)
-                check(session.running, "the attempt")
-                await _send_part(session, writer, step, part, config, pacer)
-                sent += 1
+        drivers = [
+            asyncio.create_task(drive(lane, order[j :: len(lanes)]), name=f"send:{session.ring_id}:{j}")
+            for j, lane in enumerate(lanes)
+        ]
+        await asyncio.gather(*drivers)  # the first failure propagates; `finally` stops the others
         last = session.num_steps - 1
         for part in range(session.num_parts(session.recv_chunk(last))):
             check(await session.wait_received(last, part, timeout_s), f"part {part} of the last step")
-        await acks.wait_for(sent, timeout_s)
+        for lane in lanes:
+            await lane.acks.wait_for(lane.sent, timeout_s)
         logger.debug(
-            "ring %s attempt %d: %d parts in %.2fs, %.2fs idle waiting for the left neighbour",
+            "ring %s attempt %d: %d parts on %d stream(s) in %.2fs, %.2fs idle waiting for the left",
             session.ring_id,
             session.attempt,
-            sent,
+            len(order),
+            len(lanes),
             time.monotonic() - started,
             waited_s,
         )
     finally:
-        ack_task.cancel()
-        await asyncio.gather(ack_task, return_exceptions=True)
-        writer.close()
+        tasks = [*drivers, *(lane.reader_task for lane in lanes)]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for lane in lanes:
+            lane.writer.close()
 
 
 async def receive_attempt(

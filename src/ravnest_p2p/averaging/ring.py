@@ -12,38 +12,42 @@ first part the link never idles. Optional lossy compression (fp16, ...) applies 
 the owner of a reduced chunk keeps the decoded (compressed) copy so that every replica ends with
 bit-identical values.
 
-Data plane (`partstream.py`, `frames.py`, `streams.py`). Each member opens one libp2p stream per ring
-and attempt to its right neighbour and writes every part on it: a 20-byte header and the part's raw
-fp32 (or fp16) bytes straight from the flat accumulator; the receiver checks the header against its
-session before reading the payload, reads it into a reused buffer, checks it (shape, finite) and adds it
-in place; a 7-byte ack per part tells the sender it was taken. Only the liveness probe is an RPC.
-Measured (benchmarks/results/averaging*.md): the first version sent each part as an RPC over a fresh
+Data plane (`partstream.py`, `frames.py`, `streams.py`). Each member opens two libp2p streams per ring
+and attempt to its right neighbour (one stream's flow-control window capped the link; see
+`partstream.py`), while it flattens the shard, and writes every part on one of them: a 20-byte header and
+the part's raw fp32 (or fp16) bytes straight from the flat accumulator; the receiver checks the header
+against its session before reading the payload, reads it into a reused buffer, checks it (shape, finite)
+and adds it in place; a 7-byte ack per part tells the sender it was taken. Only the liveness probe is an
+RPC. Measured (benchmarks/results/averaging*.md): the first version sent each part as an RPC over a fresh
 stream (msgpack envelope, protobuf tensor, 2 MiB parts, 4 in flight): 64 MiB among 4 loopback processes
 took 2.86 s/round against hivemind's averager's 1.91 s. With this plane, ~1.2 s (py-spy: the Python side
-now mostly idles in epoll; the daemons' copying and encryption dominate on loopback). Lab, 4 peers at
-100 Mbit/s, 64 MB: 8.8-9.9 s/round (0.78-0.87 of the 7.68 s wire bound; hivemind 9.3-10.2 s in the same
+now mostly idles in epoll; the daemons' copying and encryption dominate on loopback). Lab, 4 peers at 100
+Mbit/s, 64 MB: 8.8-9.9 s/round (0.78-0.87 of the 7.68 s wire bound; hivemind 9.3-10.2 s in the same
 runs), where a raw-TCP ring of the same flows takes 8.0-8.45 s; the sender never idles waiting for its
 left neighbour (logged per attempt), so the rest is libp2p's stream and per-round copies. With
-25/50/100/200 Mbit/s links, equal chunks make every member move 2(C-1)/C of the shard through the
-25 Mbit/s link (40 s vs hivemind's bandwidth-balanced 31.6 s). Given the members' link rates
-(`all_reduce(..., link_rates=)`), chunks are sized by rate (`weights.py`: member i sends
-2S - c[i+1] - c[i+2], so the slow member's traffic drops to S): 29.9-30.1 s where equal chunks took
-41.7-44.5 s and hivemind 31.5-31.7 s, 0.68 of the weighted ring's own 20.5 s bound: the 25 Mbit/s
-member, receiving and sending at once over two connections, uploads at ~15-18 of its 24 Mbit/s of
-payload (a 3-namespace stream test; both ways over one connection reach ~23). Pacing each stream to
-0.92 of its link (`RingConfig.pace_fraction`, opt-in) keeps the queues short: 25.5 s (0.81x hivemind).
-Rejected: several streams per neighbour (the link, not the stream, is the limit on the lab); larger
-parts. Parts are 256 KiB (were 1 MiB): a pipeline message sharing the uplink waits behind at most one
-part (84 ms at 25 Mbit/s instead of 335 ms); with the traffic gate this took pipeline samples/s while
-averaging from 0.76 to 1.02-1.09 of without at 25 Mbit/s (`bench_overlap`), and the lab ring times
-stayed within noise (64 MB, 4 x 100 Mbit/s: 9.45 s vs 8.98-9.54 s with 1 MiB; 25/50/100/200 with chunks
-by rate: 23.5 s vs 29.9 s).
-Those lab figures had the host's TCP BBR; with Reno peers (the lab's default since; BBR lost 18 % of an
-uplink that also carried an incoming flow's ACKs) and a warm-up round apart: 4 x 100 Mbit/s 8.93 s
-(0.86 of the bound; a member's parts flow at ~0.94 of the payload rate, the rest is start-up skew and
-the closing acks) vs hivemind 8.74 s; 25/50/100/200 by rate 27.4 s vs hivemind 35.5 s. hivemind's
-all-to-all keeps C-1 flows on every link where a ring member has one: a stall of that one flow idles
-the link, which is the likeliest remaining gap at uniform rates.
+25/50/100/200 Mbit/s links, equal chunks make every member move 2(C-1)/C of the shard through the 25
+Mbit/s link (40 s vs hivemind's bandwidth-balanced 31.6 s). Given the members' link rates
+(`all_reduce(..., link_rates=)`), chunks are sized by rate (`weights.py`: member i sends 2S - c[i+1] -
+c[i+2], so the slow member's traffic drops to S): 29.9-30.1 s where equal chunks took 41.7-44.5 s and
+hivemind 31.5-31.7 s, 0.68 of the weighted ring's own 20.5 s bound: the 25 Mbit/s member, receiving and
+sending at once over two connections, uploads at ~15-18 of its 24 Mbit/s of payload (a 3-namespace stream
+test; both ways over one connection reach ~23). Pacing each stream to 0.92 of its link
+(`RingConfig.pace_fraction`, opt-in) keeps the queues short: 25.5 s (0.81x hivemind). Rejected then:
+several streams per neighbour (measured under BBR, where the link was the limit; under Reno they are the
+default since, see above); larger parts. Parts are 256 KiB (were 1 MiB): a pipeline message sharing the
+uplink waits behind at most one part (84 ms at 25 Mbit/s instead of 335 ms); with the traffic gate this
+took pipeline samples/s while averaging from 0.76 to 1.02-1.09 of without at 25 Mbit/s (`bench_overlap`),
+and the lab ring times stayed within noise (64 MB, 4 x 100 Mbit/s: 9.45 s vs 8.98-9.54 s with 1 MiB;
+25/50/100/200 with chunks by rate: 23.5 s vs 29.9 s). Those lab figures had the host's TCP BBR; with Reno
+peers (the lab's default since; BBR lost 18 % of an uplink that also carried an incoming flow's ACKs) and
+a warm-up round apart: 4 x 100 Mbit/s 8.93 s (0.86 of the bound; a member's parts flow at ~0.94 of the
+payload rate, the rest is start-up skew and the closing acks) vs hivemind 8.74 s; 25/50/100/200 by rate
+27.4 s vs hivemind 35.5 s. hivemind's all-to-all keeps C-1 flows on every link where a ring member has
+one: a stall of that one flow idles the link, which is the likeliest remaining gap at uniform rates. It
+was not: `ss -ti` showed the single stream's flow-control window in the daemons limiting the sender
+(unacked segments capped, no losses); two streams per neighbour give 8.20-8.26 s (0.93-0.94 of the bound,
+0.98 of the payload bound), and opening them while the shard is flattened (not after) moved every
+member's first byte from 0.09-0.19 s to 0.06-0.11 s after the round's start.
 
 Faults. Every send and every wait has the step deadline, every round the round deadline: nothing waits
 forever. When an attempt fails at a member (a send fails or times out, a part does not arrive in time,
@@ -210,30 +214,39 @@ class RingAllReduce:
     ) -> tuple[dict[str, torch.Tensor], RingMetrics]:
         started = time.monotonic()
         parts = [tensors[n] for n in shard.names]
-        local = await flatten_shard(parts, shard.numel)
-        part_numel = max(1, self.config.part_size_bytes // 4)
+        # The first attempt's stream opens while the shard is flattened: both take tens of ms per
+        # round (64 MB: ~30 ms to flatten, a stream negotiation through both daemons), in series they
+        # delayed every member's first byte by ~0.15 s on the lab.
+        me = shard.ring.index(self.peer_id)
+        early = asyncio.create_task(
+            self._open(shard.ring[(me + 1) % len(shard.ring)]), name=f"open:{shard.ring_id}"
+        )
         session = RingSession(
             ring_id=shard.ring_id,
             epoch=epoch,
             round_index=round_index,
             me=self.peer_id,
-            local=local,
-            part_numel=part_numel,
+            numel=shard.numel,
+            part_numel=max(1, self.config.part_size_bytes // 4),
             link_rates=link_rates,
         )
-        self._sessions[shard.ring_id] = session
-        self._notify()
         deadline = time.monotonic() + self.config.round_timeout_s
         members: tuple[str, ...] | None = shard.ring
-        attempt, result = 0, local
+        attempt = 0
+        result: torch.Tensor | None = None
         participants: tuple[str, ...] = (self.peer_id,)
         try:
+            values = await flatten_shard(parts, shard.numel)
+            self._sessions[shard.ring_id] = session
+            self._notify()
             while members is not None and len(members) >= 2:
-                session.start_attempt(attempt, members)
+                if attempt > 0:  # the failed attempt summed into `values`: start again from `tensors`
+                    values = await flatten_shard(parts, shard.numel)
+                session.start_attempt(attempt, members, values)
                 self._notify()
                 try:
                     async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                        await self._attempt(session)
+                        await self._attempt(session, early if attempt == 0 else None)
                     result, participants = session.average(), session.members
                     break
                 except (AttemptFailed, TimeoutError) as exc:
@@ -249,6 +262,9 @@ class RingAllReduce:
         finally:
             session.finish(done=True)
             self._notify()
+            await _discard(early)
+        if result is None:  # no attempt completed: this round keeps the local values
+            result = await flatten_shard(parts, shard.numel)
         named = await split_shard(result, shard, tensors)
         metrics = RingMetrics(
             ring_id=shard.ring_id,
@@ -261,14 +277,31 @@ class RingAllReduce:
         )
         return named, metrics
 
-    async def _attempt(self, session: RingSession) -> None:
+    async def _open(self, peer_id: str) -> list[tuple[ByteReader, ByteWriter]]:
+        """`config.streams_per_neighbour` new part streams to `peer_id` (all of them, or none)."""
+        opens = [
+            self._streams.open(peer_id, self._stream_name) for _ in range(self.config.streams_per_neighbour)
+        ]
+        async with asyncio.timeout(self.config.step_timeout_s):
+            opened = await asyncio.gather(*opens, return_exceptions=True)
+        failed = next((x for x in opened if isinstance(x, BaseException)), None)
+        if failed is not None:
+            for x in opened:
+                if isinstance(x, tuple):
+                    x[1].close()
+            raise failed
+        return [x for x in opened if isinstance(x, tuple)]
+
+    async def _attempt(
+        self, session: RingSession, opening: asyncio.Task[list[tuple[ByteReader, ByteWriter]]] | None
+    ) -> None:
+        """One attempt over new streams to the right neighbour (`opening`: ones already on their way)."""
         try:
-            async with asyncio.timeout(self.config.step_timeout_s):
-                reader, writer = await self._streams.open(session.right, self._stream_name)
+            streams = await (opening if opening is not None else self._open(session.right))
         except (TransportError, TimeoutError) as exc:
             session.stop_attempt()
             raise AttemptFailed(f"cannot open a stream to {session.right}: {exc!r}") from None
-        await send_attempt(session, reader, writer, self.config)
+        await send_attempt(session, streams, self.config)
 
     async def _reform(self, session: RingSession, deadline: float) -> tuple[int, tuple[str, ...] | None]:
         """After a failed attempt: probe the members; return the next (attempt, members) or None."""
@@ -372,3 +405,12 @@ class RingAllReduce:
         return StatusReply(
             alive=True, attempt=max(session.attempt, 0), done=session.done, members=list(session.members)
         )
+
+
+async def _discard(opening: asyncio.Task[list[tuple[ByteReader, ByteWriter]]]) -> None:
+    """Cancel a stream opening that no attempt took, or close the streams it opened (idempotent)."""
+    opening.cancel()
+    (done,) = await asyncio.gather(opening, return_exceptions=True)
+    if isinstance(done, list):
+        for _, writer in done:
+            writer.close()

@@ -95,7 +95,7 @@ class RingSession:
         epoch: plan epoch.
         round_index: averaging round.
         me: this member's peer id.
-        local: this member's flat fp32 values of the shard (never modified).
+        numel: elements in the shard.
         part_numel: elements per part.
         link_rates: every member's (upload, download) rate, for chunks sized by rate; None (or a
             member missing) = equal chunks. Must be the same at every member.
@@ -108,7 +108,7 @@ class RingSession:
         epoch: int,
         round_index: int,
         me: str,
-        local: torch.Tensor,
+        numel: int,
         part_numel: int,
         link_rates: LinkRates | None = None,
     ) -> None:
@@ -117,7 +117,7 @@ class RingSession:
         self.epoch = epoch
         self.round = round_index
         self.me = me
-        self.local = local
+        self.numel = numel
         self.part_numel = part_numel
         self.link_rates = link_rates
         self.attempt = -1
@@ -126,24 +126,29 @@ class RingSession:
         self.chunks_digest = ""
         self.running = False
         self.done = False
-        self.acc = local
+        self.acc = torch.empty(0)
         self.bytes_sent = 0
         self.bytes_received = 0
         self._received: dict[tuple[int, int], asyncio.Future[bool]] = {}
         self._bounds: list[int] = []
 
     # ----- attempts ------------------------------------------------------------------------------
-    def start_attempt(self, attempt: int, members: Sequence[str]) -> None:
-        """Begin `attempt` among `members` (ring order) from the original local values."""
+    def start_attempt(self, attempt: int, members: Sequence[str], values: torch.Tensor) -> None:
+        """Begin `attempt` among `members` (ring order) from this member's original flat fp32 `values`.
+
+        `values` becomes the accumulator and is modified: pass a fresh copy for every attempt (the
+        first attempt takes the flattened shard as is, so a round that succeeds copies it only once).
+        """
         assert self.me in members
         assert len(members) >= 2
+        assert values.numel() == self.numel
         self.attempt = attempt
         self.members = tuple(members)
         self.digest = members_digest(self.members)
         self._bounds = self._chunk_bounds()
-        weighted = self._bounds != equal_bounds(self.local.numel(), self.size)
+        weighted = self._bounds != equal_bounds(self.numel, self.size)
         self.chunks_digest = bounds_digest(self._bounds) if weighted else ""  # "": equal chunks
-        self.acc = self.local.clone()
+        self.acc = values
         loop = asyncio.get_running_loop()
         self._received = {
             (t, p): loop.create_future()
@@ -153,7 +158,7 @@ class RingSession:
         self.running = True
 
     def _chunk_bounds(self) -> list[int]:
-        n, rates = self.local.numel(), self.link_rates
+        n, rates = self.numel, self.link_rates
         if rates is None or any(m not in rates for m in self.members):
             return equal_bounds(n, self.size)
         return chunk_bounds(
@@ -178,7 +183,7 @@ class RingSession:
     def finish(self, *, done: bool) -> None:
         self.stop_attempt()
         self.done = done
-        self.acc = self.local = torch.empty(0)  # late messages are refused; free the memory
+        self.acc = torch.empty(0)  # late messages are refused; free the memory
 
     # ----- chunk arithmetic ----------------------------------------------------------------------
     @property

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ravnest_p2p.averaging import RingConfig
+from ravnest_p2p.averaging.streams import MemoryStreamHub
 from ravnest_p2p.transport import Compression
 from tests.unit.averaging.helpers import fake_swarm, mean_of, owned, replica
 
@@ -48,6 +49,32 @@ async def test_result_is_the_mean_of_all_clusters(num_clusters):
         for name, value in averaged.items():
             by_name.setdefault(name, []).append(value)
     assert all(torch.equal(v[0], w) for v in by_name.values() for w in v)
+
+
+@pytest.mark.parametrize("streams_per_neighbour", [1, 3])
+async def test_parts_dealt_over_several_streams_per_neighbour_give_the_exact_mean(
+    streams_per_neighbour, monkeypatch
+):
+    opened: list[tuple[str, str]] = []
+    open_stream = MemoryStreamHub._open
+
+    def counting_open(hub, src, dst, name):
+        opened.append((src, dst))
+        return open_stream(hub, src, dst, name)
+
+    monkeypatch.setattr(MemoryStreamHub, "_open", counting_open)
+    config = SMALL_PARTS.model_copy(update={"streams_per_neighbour": streams_per_neighbour})
+    _net, shard_map, servers, cluster_of = await fake_swarm(3, config)
+    replicas = [replica(seed) for seed in range(3)]
+    expected = mean_of(replicas)
+    results = await run_round(servers, shard_map, replicas, cluster_of)
+    for averaged, metrics in results.values():
+        assert all(len(ring.participants) == 3 and ring.attempts == 1 for ring in metrics.rings)
+        for name, value in averaged.items():
+            torch.testing.assert_close(value.double(), expected[name], atol=1e-6, rtol=0)
+    # every member of every ring opened that many streams to its right neighbour, and no other
+    rights = [(r[i], r[(i + 1) % len(r)]) for r in (s.ring for s in shard_map.shards) for i in range(len(r))]
+    assert sorted(opened) == sorted(rights * streams_per_neighbour)
 
 
 @pytest.mark.parametrize("compression", [Compression.FP16, Compression.MEANSTD16])
