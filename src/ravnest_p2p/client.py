@@ -22,6 +22,8 @@ __all__ = ["RunClient", "newest_epoch"]
 
 logger = logging.getLogger(__name__)
 
+_POLL_TIMEOUT_S = 30.0  # one read of the job's metrics (a few DHT gets), at most
+
 
 def newest_epoch(metrics: Sequence[StageMetrics]) -> list[StageMetrics]:
     """The metrics of the newest plan epoch among `metrics` (of one job).
@@ -86,7 +88,9 @@ class RunClient:
         epochs = {epoch} if epoch is not None else {0} | {r.epoch for r in await self.peers()}
         latest: dict[tuple[str, str], StageMetrics] = {}  # (job, peer) -> newest metrics over epochs
         for e in sorted(epochs):
-            for signer, (value, _) in (await self.dht.get_signed(metrics_key(e))).items():
+            # final metrics are pinned at the initial peers: read them there too
+            found = await self.dht.get_signed(metrics_key(e), from_initial_peers=True)
+            for signer, (value, _) in found.items():
                 try:
                     m = StageMetrics.model_validate(value)
                 except Exception:
@@ -111,7 +115,16 @@ class RunClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            metrics = newest_epoch(await self.metrics(job_id=job.job_id))
+            try:
+                # one poll may not hang the wait: a lab run's client idled for 420 s after every stage had
+                # stored done (a fresh client read it at once); a poll past its share is abandoned
+                async with asyncio.timeout(_POLL_TIMEOUT_S):
+                    metrics = newest_epoch(await self.metrics(job_id=job.job_id))
+            except TimeoutError:
+                logger.warning("reading the metrics of job %s took too long; polling again", job.job_id)
+                if loop.time() > deadline:
+                    raise TimeoutError(f"job {job.job_id} not done after {timeout_s:.0f}s") from None
+                continue
             if on_progress is not None:
                 on_progress(metrics)
             failed = [m for m in metrics if m.failed]

@@ -33,8 +33,10 @@ upload 15-17 Mbit/s unpaced, 21.8 paced at 22.
 
 Priority: when the stream's writer is a `BackgroundWriter`, each part first yields to this peer's
 pipeline sends (`transport/priority.py`): while they are busy, at most a window of parts stays
-unacknowledged, and a part waits for the pipeline send in progress to end, for at most a budget that
-leaves averaging `GateConfig.min_share` of the link's time.
+unacknowledged (over all the attempt's streams together: one window per stream doubled averaging's
+share and cost the pipeline at 25 Mbit/s, 0.83 of its samples/s without averaging), and a part waits
+for the pipeline send in progress to end, for at most a budget that leaves averaging
+`GateConfig.min_share` of the link's time.
 """
 
 from __future__ import annotations
@@ -82,14 +84,15 @@ class AttemptFailed(Exception):
 
 
 class _Acks:
+    """Parts the neighbour acknowledged on all of an attempt's streams, or the first error."""
+
     def __init__(self) -> None:
         self.count = 0
         self.error: str | None = None
         self._changed = asyncio.Event()
 
-    def update(self, count: int | None = None, error: str | None = None) -> None:
-        if count is not None:
-            self.count = max(self.count, count)
+    def update(self, more: int = 0, error: str | None = None) -> None:
+        self.count += more
         if error is not None and self.error is None:
             self.error = error
         self._changed.set()
@@ -108,13 +111,16 @@ class _Acks:
 
 async def _read_acks(session: RingSession, reader: ByteReader, acks: _Acks) -> None:
     right = session.right
+    taken = 0  # a stream's acks count its own parts
     try:
         while True:
             count, error = await read_ack(reader)
             if error is not None:
                 acks.update(error=f"{right} refused a part: {error['code']}: {error['message']}")
                 break
-            acks.update(count=count)
+            if count > taken:
+                acks.update(more=count - taken)
+                taken = count
     except (*_STREAM_ERRORS, InvalidMessage) as exc:
         acks.update(error=f"stream to {right} broke: {type(exc).__name__}: {exc}")
     session.stop_attempt()  # wakes the sender's waits, which then report `acks.error`
@@ -149,31 +155,16 @@ async def _send_part(
     session.bytes_sent += header.payload_bytes
 
 
-async def _yield_to_foreground(
-    writer: ByteWriter, acks: _Acks, sent: int, config: RingConfig, num_streams: int
-) -> None:
+async def _yield_to_foreground(writer: ByteWriter, acks: _Acks, sent: int, config: RingConfig) -> None:
+    """Before a part: yield to the pipeline's sends (`sent`, `acks`: over all the attempt's streams)."""
     if not isinstance(writer, BackgroundWriter):
         return
     window = writer.gate.background_window_parts(config.part_size_bytes)
-    if window is not None:
-        window = max(1, window // num_streams)  # the gate's window is for all of the attempt's streams
     if window is not None and sent - acks.count >= window:
         started = time.monotonic()
         await acks.wait_for(sent - window + 1, config.step_timeout_s)
         writer.busy_s += time.monotonic() - started  # our parts were still on the way meanwhile
     await writer.turn()
-
-
-class _Lane:
-    """One stream of an attempt: its writer, the neighbour's acks on it, the parts it carried."""
-
-    def __init__(self, session: RingSession, reader: ByteReader, writer: ByteWriter) -> None:
-        self.writer = writer
-        self.acks = _Acks()
-        self.sent = 0
-        self.reader_task = asyncio.create_task(
-            _read_acks(session, reader, self.acks), name=f"acks:{session.ring_id}"
-        )
 
 
 async def send_attempt(
@@ -193,12 +184,12 @@ async def send_attempt(
     """
     assert streams
     timeout_s = config.step_timeout_s
-    lanes = [_Lane(session, reader, writer) for reader, writer in streams]
+    acks = _Acks()
+    sent = 0
 
     def check(arrived: bool, what: str) -> None:
-        for lane in lanes:
-            if lane.acks.error is not None:
-                raise AttemptFailed(lane.acks.error)
+        if acks.error is not None:
+            raise AttemptFailed(acks.error)
         if not arrived:
             raise AttemptFailed(f"{what} did not arrive in {timeout_s}s (or the attempt was stopped)")
 
@@ -220,52 +211,54 @@ async def send_attempt(
     started = time.monotonic()
     waited_s = 0.0  # time a stream idled because the left neighbour's part had not arrived
 
-    async def drive(lane: _Lane, parts: list[tuple[int, int]]) -> None:
-        nonlocal waited_s
+    async def drive(writer: ByteWriter, parts: list[tuple[int, int]]) -> None:
+        nonlocal waited_s, sent
         for step, part in parts:
             if step > 0:
                 t0 = time.monotonic()
                 arrived = await session.wait_received(step - 1, part, timeout_s)
                 waited_s += time.monotonic() - t0
                 check(arrived, f"part {part} of step {step - 1}")
-            await _yield_to_foreground(lane.writer, lane.acks, lane.sent, config, len(lanes))
+            await _yield_to_foreground(writer, acks, sent, config)
             check(session.running, "the attempt")
-            await _send_part(session, lane.writer, step, part, config, pacer)
-            lane.sent += 1
+            sent += 1  # counted before the write: the other stream's yield must see it in flight
+            await _send_part(session, writer, step, part, config, pacer)
 
-    drivers: list[asyncio.Task[None]] = []
+    tasks = [
+        asyncio.create_task(_read_acks(session, reader, acks), name=f"acks:{session.ring_id}")
+        for reader, _ in streams
+    ]
     try:
         try:
-            for lane in lanes:
-                write_hello(lane.writer, hello)
+            for _, writer in streams:
+                write_hello(writer, hello)
         except _STREAM_ERRORS as exc:
             raise AttemptFailed(f"sending to {session.right} failed: {exc!r}") from None
         drivers = [
-            asyncio.create_task(drive(lane, order[j :: len(lanes)]), name=f"send:{session.ring_id}:{j}")
-            for j, lane in enumerate(lanes)
+            asyncio.create_task(drive(writer, order[j :: len(streams)]), name=f"send:{session.ring_id}:{j}")
+            for j, (_, writer) in enumerate(streams)
         ]
+        tasks += drivers
         await asyncio.gather(*drivers)  # the first failure propagates; `finally` stops the others
         last = session.num_steps - 1
         for part in range(session.num_parts(session.recv_chunk(last))):
             check(await session.wait_received(last, part, timeout_s), f"part {part} of the last step")
-        for lane in lanes:
-            await lane.acks.wait_for(lane.sent, timeout_s)
+        await acks.wait_for(sent, timeout_s)
         logger.debug(
             "ring %s attempt %d: %d parts on %d stream(s) in %.2fs, %.2fs idle waiting for the left",
             session.ring_id,
             session.attempt,
             len(order),
-            len(lanes),
+            len(streams),
             time.monotonic() - started,
             waited_s,
         )
     finally:
-        tasks = [*drivers, *(lane.reader_task for lane in lanes)]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for lane in lanes:
-            lane.writer.close()
+        for _, writer in streams:
+            writer.close()
 
 
 async def receive_attempt(

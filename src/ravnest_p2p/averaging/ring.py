@@ -13,41 +13,31 @@ the owner of a reduced chunk keeps the decoded (compressed) copy so that every r
 bit-identical values.
 
 Data plane (`partstream.py`, `frames.py`, `streams.py`). Each member opens two libp2p streams per ring
-and attempt to its right neighbour (one stream's flow-control window capped the link; see
-`partstream.py`), while it flattens the shard, and writes every part on one of them: a 20-byte header and
-the part's raw fp32 (or fp16) bytes straight from the flat accumulator; the receiver checks the header
+and attempt to its right neighbour (one stream's flow-control window in the daemons capped the link; see
+`partstream.py`), while it flattens the shard, and deals its parts over them: a 20-byte header and the
+part's raw fp32 (or fp16) bytes straight from the flat accumulator; the receiver checks the header
 against its session before reading the payload, reads it into a reused buffer, checks it (shape, finite)
 and adds it in place; a 7-byte ack per part tells the sender it was taken. Only the liveness probe is an
-RPC. Measured (benchmarks/results/averaging*.md): the first version sent each part as an RPC over a fresh
-stream (msgpack envelope, protobuf tensor, 2 MiB parts, 4 in flight): 64 MiB among 4 loopback processes
-took 2.86 s/round against hivemind's averager's 1.91 s. With this plane, ~1.2 s (py-spy: the Python side
-now mostly idles in epoll; the daemons' copying and encryption dominate on loopback). Lab, 4 peers at 100
-Mbit/s, 64 MB: 8.8-9.9 s/round (0.78-0.87 of the 7.68 s wire bound; hivemind 9.3-10.2 s in the same
-runs), where a raw-TCP ring of the same flows takes 8.0-8.45 s; the sender never idles waiting for its
-left neighbour (logged per attempt), so the rest is libp2p's stream and per-round copies. With
-25/50/100/200 Mbit/s links, equal chunks make every member move 2(C-1)/C of the shard through the 25
-Mbit/s link (40 s vs hivemind's bandwidth-balanced 31.6 s). Given the members' link rates
-(`all_reduce(..., link_rates=)`), chunks are sized by rate (`weights.py`: member i sends 2S - c[i+1] -
-c[i+2], so the slow member's traffic drops to S): 29.9-30.1 s where equal chunks took 41.7-44.5 s and
-hivemind 31.5-31.7 s, 0.68 of the weighted ring's own 20.5 s bound: the 25 Mbit/s member, receiving and
-sending at once over two connections, uploads at ~15-18 of its 24 Mbit/s of payload (a 3-namespace stream
-test; both ways over one connection reach ~23). Pacing each stream to 0.92 of its link
-(`RingConfig.pace_fraction`, opt-in) keeps the queues short: 25.5 s (0.81x hivemind). Rejected then:
-several streams per neighbour (measured under BBR, where the link was the limit; under Reno they are the
-default since, see above); larger parts. Parts are 256 KiB (were 1 MiB): a pipeline message sharing the
-uplink waits behind at most one part (84 ms at 25 Mbit/s instead of 335 ms); with the traffic gate this
-took pipeline samples/s while averaging from 0.76 to 1.02-1.09 of without at 25 Mbit/s (`bench_overlap`),
-and the lab ring times stayed within noise (64 MB, 4 x 100 Mbit/s: 9.45 s vs 8.98-9.54 s with 1 MiB;
-25/50/100/200 with chunks by rate: 23.5 s vs 29.9 s). Those lab figures had the host's TCP BBR; with Reno
-peers (the lab's default since; BBR lost 18 % of an uplink that also carried an incoming flow's ACKs) and
-a warm-up round apart: 4 x 100 Mbit/s 8.93 s (0.86 of the bound; a member's parts flow at ~0.94 of the
-payload rate, the rest is start-up skew and the closing acks) vs hivemind 8.74 s; 25/50/100/200 by rate
-27.4 s vs hivemind 35.5 s. hivemind's all-to-all keeps C-1 flows on every link where a ring member has
-one: a stall of that one flow idles the link, which is the likeliest remaining gap at uniform rates. It
-was not: `ss -ti` showed the single stream's flow-control window in the daemons limiting the sender
-(unacked segments capped, no losses); two streams per neighbour give 8.20-8.26 s (0.93-0.94 of the bound,
-0.98 of the payload bound), and opening them while the shard is flattened (not after) moved every
-member's first byte from 0.09-0.19 s to 0.06-0.11 s after the round's start.
+RPC. The first version sent each part as an RPC over a fresh stream (msgpack envelope, protobuf tensor):
+64 MiB among 4 loopback processes took 2.86 s/round against hivemind's averager's 1.91 s; with this
+plane ~1.2-1.5 s. Parts are 256 KiB: a pipeline message sharing the uplink waits behind at most one
+part (84 ms at 25 Mbit/s).
+
+Measured on the lab (benchmarks/results/averaging_lab.md; 64 MB, 4 peers, TCP Reno, a warm-up round
+apart), history in short: 4 x 100 Mbit/s, one stream per neighbour, 8.93 s/round (0.86 of the 7.68 s
+bound 2(C-1)/C*S/B) against hivemind's 8.74 s. `ss -ti` in the namespaces then showed the sender's
+unacked segments capped at ~225-270 with a congestion window of ~700 and no losses: the stream's window,
+not the link. Two streams per neighbour: 8.28 s (0.93 of the bound, 0.97 of the TCP payload bound; 0.94x
+hivemind's 8.82 s in the same run); three or four: no better. Heterogeneous links (25/50/100/200): equal
+chunks make every member move 2(C-1)/C of the shard through the 25 Mbit/s link; given the members' link
+rates (`all_reduce(..., link_rates=)`), chunks are sized by rate (`weights.py`: member i sends
+2S - c[i+1] - c[i+2], so the slow member's traffic drops to S): 26-27 s against hivemind's 35 s. The 25
+Mbit/s member, receiving and sending at once, uploads below its payload rate (its own TCP acks queue
+behind its parts); pacing each stream to 0.92 of its link (`RingConfig.pace_fraction`, opt-in, needs
+trustworthy rates) keeps that queue short: 23.7 s, but costs the cap at uniform rates (8.85 s).
+Rejected: two rings running in opposite directions over the shard's halves (10.1-10.3 s: the two flows
+sharing an uplink got unequal shares and each half-ring runs at its slowest link's pace); an
+application window on unacknowledged parts (2-8 parts: within noise); larger parts.
 
 Faults. Every send and every wait has the step deadline, every round the round deadline: nothing waits
 forever. When an attempt fails at a member (a send fails or times out, a part does not arrive in time,
@@ -278,10 +268,15 @@ class RingAllReduce:
         return named, metrics
 
     async def _open(self, peer_id: str) -> list[tuple[ByteReader, ByteWriter]]:
-        """`config.streams_per_neighbour` new part streams to `peer_id` (all of them, or none)."""
-        opens = [
-            self._streams.open(peer_id, self._stream_name) for _ in range(self.config.streams_per_neighbour)
-        ]
+        """New part streams to `peer_id` (all of them, or none).
+
+        `config.streams_per_neighbour` of them, but one while this peer's pipeline is sending: each
+        stream's writer claims the traffic gate's background share on its own, so two took twice the
+        share from the pipeline (lab, 2 x 2 stages at 100 Mbit/s: samples/s while averaging 0.86 of
+        without, against 0.99 with one stream in the same setup).
+        """
+        count = 1 if self._streams.foreground_recent() else self.config.streams_per_neighbour
+        opens = [self._streams.open(peer_id, self._stream_name) for _ in range(count)]
         async with asyncio.timeout(self.config.step_timeout_s):
             opened = await asyncio.gather(*opens, return_exceptions=True)
         failed = next((x for x in opened if isinstance(x, BaseException)), None)

@@ -49,6 +49,10 @@ class Streams(Protocol):
         """
         ...
 
+    def foreground_recent(self) -> bool:
+        """Whether this peer's foreground (pipeline) traffic is sending, or sent a moment ago."""
+        ...
+
 
 class BackgroundWriter:
     """A stream's writer whose bytes are background traffic of `gate`: call `turn()` before each part.
@@ -106,6 +110,9 @@ class P2PStreams:
         except (P2PDaemonError, P2PHandlerError, ConnectionError, ValueError) as exc:
             raise PeerUnreachable(f"cannot open {name} to {peer_id}: {type(exc).__name__}: {exc}") from None
         return reader, BackgroundWriter(writer, self._transport.gate)
+
+    def foreground_recent(self) -> bool:
+        return self._transport.gate.foreground_recent()
 
 
 # ----- in memory ---------------------------------------------------------------------------------
@@ -266,3 +273,6 @@ class MemoryStreams:
     async def open(self, peer_id: str, name: str) -> tuple[ByteReader, ByteWriter]:
         end = self._hub._open(self._peer_id, peer_id, name)
         return end, (end if self._gate is None else BackgroundWriter(end, self._gate))
+
+    def foreground_recent(self) -> bool:
+        return self._gate is not None and self._gate.foreground_recent()

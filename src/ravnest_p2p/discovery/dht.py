@@ -24,6 +24,7 @@ from typing import Any
 from hivemind.dht import DHTNode
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
@@ -36,6 +37,8 @@ from ravnest_p2p.transport.p2p import HostConfig, P2PTransport
 __all__ = ["RunDHT", "dht_time"]
 
 logger = logging.getLogger(__name__)
+
+_FIND_AT_TIMEOUT_S = 5.0  # a direct read at one initial peer
 
 
 def _peer_id_of(maddr: str) -> str | None:
@@ -153,24 +156,61 @@ class RunDHT:
         result = await protocol.call_store(peer, [key_id], [signed], expiration, subkeys=[self.own_subkey])
         return bool(result and result[0])
 
-    async def get_signed(self, name: str) -> dict[str, tuple[Any, float]]:
+    async def get_signed(
+        self, name: str, *, from_initial_peers: bool = False
+    ) -> dict[str, tuple[Any, float]]:
         """Live subkey values of `name` that name an owner key, as {signer peer id: (value, expiry)}.
 
         hivemind's validator already dropped records whose signature does not match their subkey's key.
+        With `from_initial_peers`, the initial peers are also asked directly (where `store_own` pins
+        values) and, per signer, the value that expires last wins: a client polling a key for minutes
+        was seen reading a stale value through the DHT search while a fresh client read the new one.
         """
         found = await self._node.get(self.key(name), latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return {}
+        items: dict[Any, tuple[Any, float]] = {}
+        if found is not None and isinstance(found.value, dict):
+            items = {k: (v.value, float(v.expiration_time)) for k, v in found.value.items()}
+        if from_initial_peers and self.initial_peer_ids:
+            pinned = await asyncio.gather(*(self._find_at(p, name) for p in self.initial_peer_ids))
+            for direct in pinned:
+                for subkey, (value, expiration) in direct.items():
+                    if subkey not in items or expiration > items[subkey][1]:
+                        items[subkey] = (value, expiration)
         out: dict[str, tuple[Any, float]] = {}
-        for subkey, item in found.value.items():
+        for subkey, (value, expiration) in items.items():
             public_key = owner_public_key(subkey)
-            if public_key is None:
+            if public_key is None or expiration < dht_time():
                 continue
             try:
                 signer = peer_id_from_public_key(public_key)
             except ValueError:
                 continue
-            out[signer] = (item.value, float(item.expiration_time))
+            out[signer] = (value, expiration)
+        return out
+
+    async def _find_at(self, peer_id: str, name: str) -> dict[Any, tuple[Any, float]]:
+        """The subkey values of `name` at one given node (signatures checked); {} if none or no answer."""
+        protocol = self._node.protocol
+        key_id = DHTID.generate(source=self.key(name))
+        try:
+            async with asyncio.timeout(_FIND_AT_TIMEOUT_S):
+                response = await protocol.call_find(PeerID.from_base58(peer_id), [key_id])
+        except (TimeoutError, P2PDaemonError, ValueError) as exc:
+            logger.debug("direct read of %s at %s failed: %r", name, peer_id, exc)
+            return {}
+        if not response or key_id not in response:
+            return {}
+        found, _ = response[key_id]
+        if found is None or not isinstance(found.value, DictionaryDHTValue):
+            return {}
+        out: dict[Any, tuple[Any, float]] = {}
+        serializer = protocol.serializer
+        for subkey, (value_bytes, expiration) in found.value.items():
+            record = DHTRecord(key_id.to_bytes(), serializer.dumps(subkey), value_bytes, expiration)
+            try:
+                out[subkey] = (serializer.loads(self._validator.strip_value(record)), float(expiration))
+            except Exception as exc:  # a malformed value from the network: skip it, keep the rest
+                logger.debug("undecodable value of %s at %s: %r", name, peer_id, exc)
         return out
 
     @property

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 _STREAM_SUFFIX = "/stream"
 _RECONNECT_AFTER_S = 30.0
 _DIAL_YIELD_S = 0.5  # how long the larger peer id waits for the smaller one's dial (simultaneous open)
+_DAEMON_CALL_S = 15.0  # a dial or a peer listing through the daemon's control socket, at most
 _MAX_DISCARD_BYTES = 2**30
 _DISCARD_TIMEOUT_S = 10.0
 
@@ -184,18 +185,21 @@ class P2PTransport:
                 return
             if not await self._wait_for_connection(peer_id, 0.0 if self.peer_id < peer_id else _DIAL_YIELD_S):
                 try:
-                    await self._p2p._client.connect(PeerID.from_base58(peer_id), maddrs)
-                except P2PDaemonError as exc:
+                    async with asyncio.timeout(_DAEMON_CALL_S):
+                        await self._p2p._client.connect(PeerID.from_base58(peer_id), maddrs)
+                except (P2PDaemonError, TimeoutError) as exc:
                     if not await self._wait_for_connection(peer_id, 0.0):
-                        raise PeerUnreachable(f"cannot dial {peer_id}: {exc}") from None
+                        raise PeerUnreachable(f"cannot dial {peer_id}: {exc!r}") from None
             self._connected_at[peer_id] = time.monotonic()
 
     async def _wait_for_connection(self, peer_id: str, timeout_s: float) -> bool:
         """Whether the daemon has a connection to `peer_id` (either side's), polling up to `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while True:
-            with contextlib.suppress(P2PDaemonError):
-                if any(info.peer_id.to_base58() == peer_id for info in await self._p2p.list_peers()):
+            with contextlib.suppress(P2PDaemonError, TimeoutError):
+                async with asyncio.timeout(_DAEMON_CALL_S):
+                    peers = await self._p2p.list_peers()
+                if any(info.peer_id.to_base58() == peer_id for info in peers):
                     return True
             if time.monotonic() >= deadline:
                 return False

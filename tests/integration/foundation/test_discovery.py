@@ -118,3 +118,22 @@ async def test_pinned_records_reach_the_bootstrap_and_a_client_dials_the_peers_i
         assert client._directory.num_dialled == len(peers)
     finally:
         await client.aclose()
+
+
+async def test_a_value_held_only_at_the_initial_peer_is_read_directly_and_the_newest_wins(make_swarm):
+    """`get_signed(from_initial_peers=True)` asks the initial peers themselves: a newer value pinned there
+    wins over an older one that the DHT search finds."""
+    peers = await make_swarm(4, run_id="direct")
+    bootstrap, writer = peers[0], peers[1]
+    client = await RunClient.connect(bootstrap.maddrs, run_id="direct")
+    try:
+        assert await writer.dht.store_own("flag", {"done": False}, ttl_s=60)
+        now = dht_time()
+        # the newer value goes to the bootstrap only (as the pin does), not to the key's replicas
+        assert await writer.dht._store_at(bootstrap.peer_id, "flag", {"done": True}, now + 120)
+        direct = await client.dht.get_signed("flag", from_initial_peers=True)
+        assert direct[writer.peer_id][0] == {"done": True}
+        assert direct[writer.peer_id][1] == pytest.approx(now + 120)
+        assert set(direct) == {writer.peer_id}
+    finally:
+        await client.aclose()

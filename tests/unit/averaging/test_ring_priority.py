@@ -15,7 +15,15 @@ from tests.unit.averaging.helpers import make_clusters, mean_of, owned, replica
 CONFIG = RingConfig(part_size_bytes=1024, step_timeout_s=2.0, probe_timeout_s=0.5)
 
 
-async def test_round_completes_while_every_peer_keeps_a_foreground_send_open():
+async def test_round_completes_while_every_peer_keeps_a_foreground_send_open(monkeypatch):
+    opened: list[str] = []
+    open_stream = MemoryStreamHub._open
+
+    def counting_open(hub, src, dst, name):
+        opened.append(src)
+        return open_stream(hub, src, dst, name)
+
+    monkeypatch.setattr(MemoryStreamHub, "_open", counting_open)
     num_clusters = 3
     shard_map = build_shard_map(make_clusters(num_clusters), epoch=1)
     net = FakeNetwork()
@@ -51,6 +59,9 @@ async def test_round_completes_while_every_peer_keeps_a_foreground_send_open():
             torch.testing.assert_close(value.double(), expected[name], atol=1e-6, rtol=0)
     assert sum(g.stats.forced_turns for g in gates) > 0  # the parts waited, boundedly
     assert all(g.stats.yielded_turns == 0 for g in gates)
+    # one part stream per ring and member while the pipeline sends (two would claim two shares)
+    assert CONFIG.streams_per_neighbour == 2
+    assert len(opened) == sum(len(shard.ring) for shard in shard_map.shards)
     for server in servers.values():
         await server.aclose()
     await hub.aclose()
