@@ -42,6 +42,7 @@ or without the lab::
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import signal
@@ -64,7 +65,10 @@ __all__ = [
     "thread_env",
 ]
 
+logger = logging.getLogger(__name__)
+
 _PERIOD_US = 100_000
+_REMOVE_TIMEOUT_S = 10.0  # waiting for killed processes to leave their groups
 # 8x the default weight: see "under load" in the module docstring. Harmless to others: the quota caps
 # what the weight can win.
 _SHARES_V1 = 8 * 1024
@@ -173,13 +177,23 @@ def remove_groups(name_prefix: str) -> None:
     """
     if not name_prefix or "/" in name_prefix or "*" in name_prefix:
         raise ValueError(f"bad throttle name prefix {name_prefix!r}")
-    for parent in _all_parents():
-        for group in parent.glob(f"ravnest-{name_prefix}*"):
-            if group.is_dir():
-                try:
-                    _remove_group(group)
-                except OSError:
-                    continue
+    # A process killed a moment ago can still be listed while it exits, cannot be moved, and keeps its
+    # group busy (rmdir: EBUSY): retry until it is gone (a CI run left two groups behind without this).
+    deadline = time.monotonic() + _REMOVE_TIMEOUT_S
+    while True:
+        left = []
+        for parent in _all_parents():
+            for group in parent.glob(f"ravnest-{name_prefix}*"):
+                if group.is_dir():
+                    try:
+                        _remove_group(group)
+                    except OSError:
+                        left.append(group)
+        if not left or time.monotonic() > deadline:
+            if left:
+                logger.warning("cgroups still busy, not removed: %s", ", ".join(map(str, left)))
+            return
+        time.sleep(0.05)  # polling the kernel's view of exiting processes, bounded by the deadline
 
 
 def detect_backend() -> ThrottleBackend:
