@@ -37,6 +37,18 @@ def newest_epoch(metrics: Sequence[StageMetrics]) -> list[StageMetrics]:
     return [m for m in metrics if m.epoch == epoch]
 
 
+def _job_done(metrics: Sequence[StageMetrics], num_clusters: int | None) -> bool:
+    """Whether every first stage of the job reports done; raises if a stage reports a failure."""
+    failed = next((m for m in metrics if m.failed), None)
+    if failed is not None:
+        raise RavnestError(f"stage {failed.stage} of cluster {failed.cluster} failed: {failed.failed}")
+    firsts = [m for m in metrics if m.stage == 0 and m.done]
+    # on an agreed plan the client does not know the cluster count: every cluster that reports must be
+    # done (and at least one)
+    expected = num_clusters or len({m.cluster for m in metrics})
+    return bool(firsts) and len(firsts) >= expected
+
+
 class RunClient:
     """Connect with `await RunClient.connect(initial_peers, run_id)`; close with `await client.aclose()`."""
 
@@ -122,22 +134,12 @@ class RunClient:
                     metrics = newest_epoch(await self.metrics(job_id=job.job_id))
             except TimeoutError:
                 logger.warning("reading the metrics of job %s took too long; polling again", job.job_id)
-                if loop.time() > deadline:
-                    raise TimeoutError(f"job {job.job_id} not done after {timeout_s:.0f}s") from None
-                continue
-            if on_progress is not None:
-                on_progress(metrics)
-            failed = [m for m in metrics if m.failed]
-            if failed:
-                raise RavnestError(
-                    f"stage {failed[0].stage} of cluster {failed[0].cluster} failed: {failed[0].failed}"
-                )
-            firsts = [m for m in metrics if m.stage == 0 and m.done]
-            # on an agreed plan the client does not know the cluster count: every cluster that reports
-            # must be done (and at least one)
-            expected = num_clusters or len({m.cluster for m in metrics})
-            if firsts and len(firsts) >= expected:
-                return metrics
+                metrics = None
+            if metrics is not None:
+                if on_progress is not None:
+                    on_progress(metrics)
+                if _job_done(metrics, num_clusters):
+                    return metrics
             if loop.time() > deadline:
                 raise TimeoutError(f"job {job.job_id} not done after {timeout_s:.0f}s")
             await asyncio.sleep(poll_s)

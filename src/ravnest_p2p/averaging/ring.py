@@ -204,13 +204,6 @@ class RingAllReduce:
     ) -> tuple[dict[str, torch.Tensor], RingMetrics]:
         started = time.monotonic()
         parts = [tensors[n] for n in shard.names]
-        # The first attempt's stream opens while the shard is flattened: both take tens of ms per
-        # round (64 MB: ~30 ms to flatten, a stream negotiation through both daemons), in series they
-        # delayed every member's first byte by ~0.15 s on the lab.
-        me = shard.ring.index(self.peer_id)
-        early = asyncio.create_task(
-            self._open(shard.ring[(me + 1) % len(shard.ring)]), name=f"open:{shard.ring_id}"
-        )
         session = RingSession(
             ring_id=shard.ring_id,
             epoch=epoch,
@@ -225,6 +218,13 @@ class RingAllReduce:
         attempt = 0
         result: torch.Tensor | None = None
         participants: tuple[str, ...] = (self.peer_id,)
+        # The first attempt's streams open while the shard is flattened: both take tens of ms per
+        # round (64 MB: ~30 ms to flatten, a stream negotiation through both daemons), in series they
+        # delayed every member's first byte by ~0.15 s on the lab.
+        me = shard.ring.index(self.peer_id)
+        early = asyncio.create_task(
+            self._open(shard.ring[(me + 1) % len(shard.ring)]), name=f"open:{shard.ring_id}"
+        )
         try:
             values = await flatten_shard(parts, shard.numel)
             self._sessions[shard.ring_id] = session
@@ -276,9 +276,9 @@ class RingAllReduce:
         without, against 0.99 with one stream in the same setup).
         """
         count = 1 if self._streams.foreground_recent() else self.config.streams_per_neighbour
-        opens = [self._streams.open(peer_id, self._stream_name) for _ in range(count)]
-        async with asyncio.timeout(self.config.step_timeout_s):
-            opened = await asyncio.gather(*opens, return_exceptions=True)
+        # each open under its own deadline, so that the streams that did open are returned and closed
+        opens = [self._open_one(peer_id) for _ in range(count)]
+        opened = await asyncio.gather(*opens, return_exceptions=True)
         failed = next((x for x in opened if isinstance(x, BaseException)), None)
         if failed is not None:
             for x in opened:
@@ -286,6 +286,10 @@ class RingAllReduce:
                     x[1].close()
             raise failed
         return [x for x in opened if isinstance(x, tuple)]
+
+    async def _open_one(self, peer_id: str) -> tuple[ByteReader, ByteWriter]:
+        async with asyncio.timeout(self.config.step_timeout_s):
+            return await self._streams.open(peer_id, self._stream_name)
 
     async def _attempt(
         self, session: RingSession, opening: asyncio.Task[list[tuple[ByteReader, ByteWriter]]] | None
