@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-unit test-integration test-e2e test-slow lint format bench clean
+.PHONY: venv demo test test-unit test-integration test-e2e test-slow test-security lint format bench clean
 
 venv: $(STAMP)
 
@@ -39,7 +39,11 @@ test-e2e: $(STAMP)
 	$(PY) -m pytest -q tests/e2e
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	RAVNEST_WRITE_RESULTS=1 $(PY) -m pytest -q -m slow
+
+# the whole hostile-input suite (fast and slow), its tally written to benchmarks/results/security.*
+test-security: $(STAMP)
+	RAVNEST_WRITE_RESULTS=1 $(PY) -m pytest -q -m 'slow or not slow' tests/security
 
 bench: $(STAMP)
 	$(PY) -m benchmarks
