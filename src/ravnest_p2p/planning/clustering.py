@@ -19,23 +19,43 @@ its standard deviation over the population. Logs make similarity a matter of *ra
 a pipeline the same at 10 and at 100 Mbit/s); the scaling stops whichever feature has the wider spread
 from drowning the other. The slower link direction is used because a stage both receives and sends.
 
-Method. For ``k`` from the memory bound down to 1: seeded k-means (k-means++ init, a few restarts, best
-inertia), then memory repair (an infeasible cluster takes the nearest peer a feasible cluster can spare),
-then balancing (move a peer from the fastest to the slowest cluster while ``J`` drops). The first ``k``
-that repairs is kept. Peers whose compute or link is below ``spare_ratio`` times their cluster's median
-are set aside as spares when the cluster still fits without them (a laggard would set the pace), and
-so are all members of a cluster whose throughput is below ``spare_ratio`` times the median cluster's
-(averaging would wait on it).
+Method. ``k`` is searched, not scanned: ``k_max = min(total memory // need, n // min_stages)`` is tried
+first (it is feasible whenever the model fits on most peers), then the feasibility boundary is found
+by bisection on ``[1, k_max]`` (``k = 1`` is always feasible here): O(log k_max) trials instead of up
+to ``k_max``. A trial ``k`` is feasible when one of two candidate groupings is:
 
-Determinism. Peers are sorted by id before anything else and the only randomness is a numpy generator
-seeded by the epoch, so every peer with the same view computes the same clusters, whatever the order
-of its inputs. Clusters are returned sorted by their smallest peer id.
+* `rcb.bisect_clusters`: memory-weighted recursive coordinate bisection of the 2-D features, feasible
+  by construction when its cuts succeed; O(n log n log k), so it serves any ``k`` up to ``n``;
+* `kmeans.kmeans_runs` + `kmeans.repair`: seeded k-means++ / Lloyd runs (O(n k) per pass, running
+  min-distance seeding) plus one Lloyd run started from the bisection's centroids, each followed by
+  greedy memory repair, the repaired run of lowest ``J`` kept; only when ``n k <= KMEANS_MAX_CELLS``,
+  where it is cheap.
+
+At the chosen ``k`` each feasible candidate is balanced (`balance.balance`: move a peer from the
+fastest to the slowest cluster while ``J`` drops, O(1) objective updates) and the one with the lower
+``J`` is kept (bisection on ties). Peers whose compute or link is below ``spare_ratio`` times their
+cluster's median are set aside as spares when the cluster still fits without them (a laggard would set
+the pace), and so are all members of a cluster whose throughput is below ``spare_ratio`` times the
+median cluster's (averaging would wait on it). Cost at 10,000 peers: seconds (see
+``benchmarks/results/planner.md``); the old linear scan of ``k`` with O(n k^2) seeding took minutes at
+1,000.
+
+Determinism. Peers are sorted by id before anything else; every reduction runs in a fixed order on
+arrays in that order (`cumsum`, `bincount`, `lexsort` with the peer index as the last key, argmin's
+lowest index on ties); the only randomness is a numpy generator seeded by ``(epoch, k)``, so the trials
+do not depend on the search path. Every peer with the same view computes the same clusters, bit for
+bit, whatever the order of its inputs. Clusters are returned sorted by their smallest peer id.
 
 Alternatives rejected. Ravnest's genetic algorithm over hand-typed RAM/bandwidth: slow to converge and
 not reproducible across peers without shared seeds and identical float paths; a 1-D sort on a combined
-score: loses the 2-D structure (fast compute on a slow link is not "similar" to the reverse).
-Limits: k-means is a heuristic (no optimality proof); throughput is a compute-only estimate (the exact
-pipeline period is computed afterwards by `partition` and reported in the plan).
+score: loses the 2-D structure (fast compute on a slow link is not "similar" to the reverse); a linear
+scan of ``k`` from ``k_max`` down (the previous method): up to ``k_max`` k-means runs, minutes at 1,000
+peers; golden-section search on ``J`` over ``k``: ``k`` has priority over ``J``, so the boundary of
+feasibility, not a minimum of ``J``, is what must be found.
+Limits: k-means and the bisection are heuristics (no optimality proof); feasibility is not strictly
+monotone in ``k``, so bisection finds *a* feasible ``k`` next to an infeasible ``k + 1``, not always the
+largest feasible one; throughput is a compute-only estimate (the exact pipeline period is computed
+afterwards by `partition` and reported in the plan).
 """
 
 from __future__ import annotations
@@ -44,14 +64,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ravnest_p2p.planning.balance import balance, objective
+from ravnest_p2p.planning.kmeans import centroids, kmeans_runs, repair
 from ravnest_p2p.planning.partition import model_memory_bytes
+from ravnest_p2p.planning.rcb import bisect_clusters
 from ravnest_p2p.planning.types import JobParams, PeerCapacity
 from ravnest_p2p.types import LayerProfile
 
-__all__ = ["Clustering", "cluster_peers", "homogeneity", "peer_features"]
+__all__ = ["KMEANS_MAX_CELLS", "Clustering", "cluster_peers", "homogeneity", "peer_features"]
 
-_RESTARTS = 4
-_LLOYD_ITERATIONS = 25
+KMEANS_MAX_CELLS = 200_000
+"""k-means runs as a second candidate only when ``n * k`` is at most this (its distance table)."""
 
 Clustering = tuple[tuple[tuple[PeerCapacity, ...], ...], tuple[PeerCapacity, ...]]
 """``(clusters, spares)``; each cluster a tuple of peers sorted by id."""
@@ -75,114 +98,59 @@ def homogeneity(features: np.ndarray, labels: np.ndarray) -> float:
     return total / max(len(features), 1)
 
 
-def _kmeans(features: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
-    best_labels = np.zeros(len(features), dtype=int)
-    best_inertia = np.inf
-    for _ in range(_RESTARTS):
-        centers = [features[rng.integers(len(features))]]
-        for _c in range(1, k):
-            d2 = np.min([((features - c) ** 2).sum(axis=1) for c in centers], axis=0)
-            probs = d2 / d2.sum() if d2.sum() > 0 else np.full(len(features), 1.0 / len(features))
-            centers.append(features[rng.choice(len(features), p=probs)])
-        center_arr = np.array(centers)
-        labels = np.zeros(len(features), dtype=int)
-        for _it in range(_LLOYD_ITERATIONS):
-            dist = ((features[:, None, :] - center_arr[None, :, :]) ** 2).sum(axis=2)
-            new_labels = np.argmin(dist, axis=1)
-            for c in range(k):
-                if not np.any(new_labels == c):  # re-seed an empty cluster at the worst-served point
-                    counts = np.bincount(new_labels, minlength=k)
-                    served = dist[np.arange(len(features)), new_labels]
-                    far = int(np.argmax(np.where(counts[new_labels] > 1, served, -1.0)))
-                    new_labels[far] = c
-            center_arr = np.array([features[new_labels == c].mean(axis=0) for c in range(k)])
-            if np.array_equal(new_labels, labels):
-                break
-            labels = new_labels
-        inertia = homogeneity(features, labels)
-        if inertia < best_inertia - 1e-12:
-            best_inertia, best_labels = inertia, labels.copy()
-    return best_labels
+class _Trials:
+    """Feasible candidate groupings for one ``k`` (cached: the search may ask twice)."""
+
+    def __init__(
+        self,
+        features: np.ndarray,
+        memory: np.ndarray,
+        flops: np.ndarray,
+        *,
+        need_bytes: float,
+        min_size: int,
+        epoch: int,
+    ):
+        self.features, self.memory, self.flops = features, memory, flops
+        self.need_bytes, self.min_size, self.epoch = need_bytes, min_size, epoch
+        self._cache: dict[int, list[np.ndarray]] = {}
+
+    def __call__(self, k: int) -> list[np.ndarray]:
+        if k not in self._cache:
+            self._cache[k] = self._candidates(k)
+        return self._cache[k]
+
+    def _candidates(self, k: int) -> list[np.ndarray]:
+        found: list[np.ndarray] = []
+        bisected = bisect_clusters(self.features, self.memory, k, self.need_bytes, self.min_size)
+        if bisected is not None:
+            found.append(bisected)
+        if len(self.features) * k <= KMEANS_MAX_CELLS:
+            rng = np.random.default_rng([self.epoch, k])
+            init = None if bisected is None else centroids(self.features, bisected, k)
+            best, best_j = None, np.inf
+            for labels in kmeans_runs(self.features, k, rng, init=init):
+                if repair(self.features, self.memory, labels, k, self.need_bytes, self.min_size):
+                    value = objective(self.features, self.flops, labels, k)
+                    if value < best_j - 1e-12:
+                        best, best_j = labels, value
+            if best is not None:
+                found.append(best)
+        return found
 
 
-class _State:
-    """Labels plus the per-cluster sums the repair and balance steps need."""
-
-    def __init__(self, peers: Sequence[PeerCapacity], features: np.ndarray, labels: np.ndarray, k: int):
-        self.features = features
-        self.labels = labels
-        self.k = k
-        self.memory = np.array([float(p.memory_bytes) for p in peers])
-        self.flops = np.array([p.flops_per_s for p in peers])
-
-    def members(self, c: int) -> np.ndarray:
-        return np.flatnonzero(self.labels == c)
-
-    def cluster_memory(self, c: int) -> float:
-        return float(self.memory[self.labels == c].sum())
-
-    def centroid(self, c: int) -> np.ndarray:
-        return np.asarray(self.features[self.labels == c].mean(axis=0))
-
-    def objective(self) -> float:
-        throughput = np.array([self.flops[self.labels == c].sum() for c in range(self.k)])
-        imbalance = float(throughput.std() / throughput.mean()) if self.k > 1 else 0.0
-        return homogeneity(self.features, self.labels) + imbalance
-
-
-def _repair(state: _State, need_bytes: float, min_size: int) -> bool:
-    """Move peers into memory-short or too-small clusters from clusters that can spare them."""
-    for _ in range(len(state.labels)):
-        short = [
-            c
-            for c in range(state.k)
-            if state.cluster_memory(c) < need_bytes or len(state.members(c)) < min_size
-        ]
-        if not short:
-            return True
-        target = short[0]
-        center = state.centroid(target) if len(state.members(target)) else state.features.mean(axis=0)
-        best_peer, best_dist = -1, np.inf
-        for donor in range(state.k):
-            if donor in short:
-                continue
-            donor_memory, donor_size = state.cluster_memory(donor), len(state.members(donor))
-            for i in state.members(donor):
-                if donor_memory - state.memory[i] >= need_bytes and donor_size - 1 >= min_size:
-                    dist = float(((state.features[i] - center) ** 2).sum())
-                    if dist < best_dist - 1e-12:
-                        best_peer, best_dist = int(i), dist
-        if best_peer < 0:
-            return False
-        state.labels[best_peer] = target
-    return False
-
-
-def _balance(state: _State, need_bytes: float, min_size: int) -> None:
-    """Greedy moves from the fastest to the slowest cluster while the objective ``J`` drops."""
-    if state.k < 2:
-        return
-    current = state.objective()
-    for _ in range(len(state.labels)):
-        throughput = [state.flops[state.labels == c].sum() for c in range(state.k)]
-        fast, slow = int(np.argmax(throughput)), int(np.argmin(throughput))
-        center = state.centroid(slow)
-        fast_members = state.members(fast)
-        if len(fast_members) - 1 < min_size:
-            return
-        order = sorted(fast_members, key=lambda i: float(((state.features[i] - center) ** 2).sum()))
-        moved = False
-        for i in order:
-            if state.cluster_memory(fast) - state.memory[i] < need_bytes:
-                continue
-            state.labels[i] = slow
-            trial = state.objective()
-            if trial < current - 1e-9:
-                current, moved = trial, True
-                break
-            state.labels[i] = fast
-        if not moved:
-            return
+def _largest_feasible_k(trials: _Trials, k_max: int) -> int:
+    """``k_max`` if feasible, else bisection for ``lo`` feasible next to ``lo + 1`` infeasible."""
+    if trials(k_max):
+        return k_max
+    lo, hi = 1, k_max  # invariant: lo feasible (one cluster of everyone), hi infeasible
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if trials(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _split_spares(
@@ -192,14 +160,16 @@ def _split_spares(
         return cluster, []
     median_flops = float(np.median([p.flops_per_s for p in cluster]))
     median_link = float(np.median([p.link_bytes_per_s for p in cluster]))
-    kept, spares = list(cluster), []
+    spares: list[PeerCapacity] = []
+    kept_memory, kept_count = sum(p.memory_bytes for p in cluster), len(cluster)
     for peer in sorted(cluster, key=lambda p: (p.flops_per_s, p.peer_id)):
         laggard = peer.flops_per_s < ratio * median_flops or peer.link_bytes_per_s < ratio * median_link
-        memory_after = sum(p.memory_bytes for p in kept) - peer.memory_bytes
-        if laggard and memory_after >= need_bytes and len(kept) - 1 >= min_size:
-            kept.remove(peer)
+        if laggard and kept_memory - peer.memory_bytes >= need_bytes and kept_count - 1 >= min_size:
+            kept_memory -= peer.memory_bytes
+            kept_count -= 1
             spares.append(peer)
-    return kept, spares
+    set_aside = {p.peer_id for p in spares}
+    return [p for p in cluster if p.peer_id not in set_aside], spares
 
 
 def cluster_peers(
@@ -231,26 +201,35 @@ def cluster_peers(
     if not ordered or total_memory < need_bytes or len(ordered) < job.min_stages:
         return (), tuple(ordered)
     features = peer_features(ordered)
-    k_max = min(int(total_memory // max(need_bytes, 1.0)), len(ordered) // job.min_stages)
-    rng = np.random.default_rng(epoch)
-    for k in range(max(k_max, 1), 0, -1):
-        state = _State(ordered, features, _kmeans(features, k, rng), k)
-        if not _repair(state, need_bytes, job.min_stages):
-            continue
-        _balance(state, need_bytes, job.min_stages)
-        clusters: list[tuple[PeerCapacity, ...]] = []
-        spares: list[PeerCapacity] = []
-        for c in range(k):
-            kept, set_aside = _split_spares(
-                [ordered[i] for i in state.members(c)], need_bytes, job.min_stages, job.spare_ratio
-            )
-            clusters.append(tuple(kept))
-            spares += set_aside
-        # A whole cluster far slower than the median one would hold back averaging: its peers wait.
-        throughput = [sum(p.flops_per_s for p in members) for members in clusters]
-        cutoff = job.spare_ratio * float(np.median(throughput))
-        spares += [p for members, t in zip(clusters, throughput, strict=True) if t < cutoff for p in members]
-        clusters = [members for members, t in zip(clusters, throughput, strict=True) if t >= cutoff]
-        clusters.sort(key=lambda members: members[0].peer_id)
-        return tuple(clusters), tuple(sorted(spares, key=lambda p: p.peer_id))
-    return (), tuple(ordered)
+    memory = np.array([float(p.memory_bytes) for p in ordered])
+    flops = np.array([p.flops_per_s for p in ordered])
+    k_max = max(min(int(total_memory // max(need_bytes, 1.0)), len(ordered) // job.min_stages), 1)
+    trials = _Trials(features, memory, flops, need_bytes=need_bytes, min_size=job.min_stages, epoch=epoch)
+    k = _largest_feasible_k(trials, k_max)
+    best_labels, best_j = None, np.inf
+    for candidate in trials(k):
+        labels = candidate.copy()
+        balance(features, flops, memory, labels, k, need_bytes, job.min_stages)
+        value = objective(features, flops, labels, k)
+        if value < best_j - 1e-12:
+            best_labels, best_j = labels, value
+    if best_labels is None:  # only if even one cluster of everyone failed, which the guard above rules out
+        return (), tuple(ordered)
+    members_of: list[list[int]] = [[] for _ in range(k)]
+    for i, label in enumerate(best_labels.tolist()):
+        members_of[label].append(i)
+    clusters: list[tuple[PeerCapacity, ...]] = []
+    spares: list[PeerCapacity] = []
+    for members in members_of:
+        kept, set_aside = _split_spares(
+            [ordered[i] for i in members], need_bytes, job.min_stages, job.spare_ratio
+        )
+        clusters.append(tuple(kept))
+        spares += set_aside
+    # A whole cluster far slower than the median one would hold back averaging: its peers wait.
+    throughput = [sum(p.flops_per_s for p in members) for members in clusters]
+    cutoff = job.spare_ratio * float(np.median(throughput))
+    spares += [p for members, t in zip(clusters, throughput, strict=True) if t < cutoff for p in members]
+    clusters = [members for members, t in zip(clusters, throughput, strict=True) if t >= cutoff]
+    clusters.sort(key=lambda members: members[0].peer_id)
+    return tuple(clusters), tuple(sorted(spares, key=lambda p: p.peer_id))
