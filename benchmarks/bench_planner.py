@@ -72,7 +72,9 @@ def _plot(rows: Sequence[dict[str, Any]], path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(6, 4))
     for kind in sorted({r["model"] for r in rows}):
         for impl, marker in (("new", "o-"), ("baseline", "s--")):
-            points = [(r["peers"], r[f"{impl}_cpu_s"]) for r in rows if r["model"] == kind and f"{impl}_cpu_s" in r]
+            points = [
+                (r["peers"], r[f"{impl}_cpu_s"]) for r in rows if r["model"] == kind and f"{impl}_cpu_s" in r
+            ]
             if points:
                 xs, ys = zip(*points, strict=True)
                 ax.plot(xs, ys, marker, label=f"{impl}, {kind} model")

@@ -30,7 +30,9 @@ _IMPROVEMENT = 1e-9
 def objective(features: np.ndarray, flops: np.ndarray, labels: np.ndarray, k: int) -> float:
     """``J = H + CV(cluster throughputs)`` for ``labels`` in ``0 .. k-1`` (see `clustering`)."""
     counts = np.bincount(labels, minlength=k).astype(float)
-    sums = np.stack([np.bincount(labels, weights=features[:, j], minlength=k) for j in range(features.shape[1])])
+    sums = np.stack(
+        [np.bincount(labels, weights=features[:, j], minlength=k) for j in range(features.shape[1])]
+    )
     centers = sums.T / np.maximum(counts, 1.0)[:, None]
     h = float(((features - centers[labels]) ** 2).sum()) / max(len(features), 1)
     throughput = np.bincount(labels, weights=flops, minlength=k)
@@ -52,7 +54,9 @@ def balance(
     if k < 2 or n == 0:
         return
     counts = np.bincount(labels, minlength=k).astype(float)
-    sums = np.stack([np.bincount(labels, weights=features[:, j], minlength=k) for j in range(features.shape[1])]).T
+    sums = np.stack(
+        [np.bincount(labels, weights=features[:, j], minlength=k) for j in range(features.shape[1])]
+    ).T
     throughput = np.bincount(labels, weights=flops, minlength=k)
     cluster_memory = np.bincount(labels, weights=memory, minlength=k)
     mean = float(throughput.sum()) / k
@@ -67,7 +71,9 @@ def balance(
         mu_fast = sums[fast] / counts[fast]
         to_slow = ((x - mu_slow) ** 2).sum(axis=1)
         from_fast = ((x - mu_fast) ** 2).sum(axis=1)
-        delta_h = (counts[slow] / (counts[slow] + 1.0) * to_slow - counts[fast] / (counts[fast] - 1.0) * from_fast) / n
+        delta_h = (
+            counts[slow] / (counts[slow] + 1.0) * to_slow - counts[fast] / (counts[fast] - 1.0) * from_fast
+        ) / n
         f = flops[members]
         new_sum_sq = (
             sum_sq
@@ -78,7 +84,9 @@ def balance(
         )
         old_cv = np.sqrt(max(sum_sq / k - mean**2, 0.0)) / mean
         new_cv = np.sqrt(np.maximum(new_sum_sq / k - mean**2, 0.0)) / mean
-        improves = (delta_h + new_cv - old_cv < -_IMPROVEMENT) & (cluster_memory[fast] - memory[members] >= need_bytes)
+        improves = (delta_h + new_cv - old_cv < -_IMPROVEMENT) & (
+            cluster_memory[fast] - memory[members] >= need_bytes
+        )
         if not improves.any():
             return
         order = np.lexsort((members, to_slow))

@@ -72,7 +72,9 @@ def assign_nearest(features: np.ndarray, centers: np.ndarray) -> tuple[np.ndarra
 
 def _centroids(features: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
     counts = np.bincount(labels, minlength=k).astype(float)
-    sums = np.stack([np.bincount(labels, weights=features[:, j], minlength=k) for j in range(features.shape[1])])
+    sums = np.stack(
+        [np.bincount(labels, weights=features[:, j], minlength=k) for j in range(features.shape[1])]
+    )
     return np.asarray(sums.T / np.maximum(counts, 1.0)[:, None])
 
 
@@ -145,9 +147,7 @@ def repair(
         members = labels == target
         center = features[members].mean(axis=0) if members.any() else features.mean(axis=0)
         spare_able = (
-            ~short[labels]
-            & (cluster_memory[labels] - memory >= need_bytes)
-            & (size[labels] - 1 >= min_size)
+            ~short[labels] & (cluster_memory[labels] - memory >= need_bytes) & (size[labels] - 1 >= min_size)
         )
         if not spare_able.any():
             return False

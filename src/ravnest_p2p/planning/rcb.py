@@ -6,12 +6,13 @@ close to its memory bound most clusters only just fit, so feasibility, not the s
 find, decides the grouping; and ``k`` can be as large as ``n`` (a small model fits on every peer).
 
 Method. Recursive coordinate bisection (Berger & Bokhari 1987, the classic load-balancing partitioner):
-a node owning ``k`` clusters sorts its peers along each feature axis (ties by peer-id order), gives ``floor(k / 2)`` clusters to the lower side and the rest to the upper side, and cuts
-where the lower side's memory is nearest its share ``k_low / k`` of the node's memory, clipped to the
-interval of cuts where both sides can still hold ``k_low`` and ``k - k_low`` models and peers; of
-the two axes' cuts it keeps the one with the smaller within-side squared deviation (ties: the first
-axis). Every leaf is one cluster. Each of the ``log2 k`` levels sorts at most ``n`` peers, so the cost is
-O(n log n log k); leaves are axis-aligned boxes of similar peers (compact, hence homogeneous).
+a node owning ``k`` clusters sorts its peers along each feature axis (ties by peer-id order), gives
+``floor(k / 2)`` clusters to the lower side and the rest to the upper side, and cuts where the lower
+side's memory is nearest its share ``k_low / k`` of the node's memory, clipped to the interval of cuts
+where both sides can still hold ``k_low`` and ``k - k_low`` models and peers; of the two axes' cuts it
+keeps the one with the smaller within-side squared deviation (ties: the first axis). Every leaf is one
+cluster. Each of the ``log2 k`` levels sorts at most ``n`` peers twice, so the cost is O(n log n log k);
+leaves are axis-aligned boxes of similar peers (compact, hence homogeneous).
 
 Determinism. Sorting uses `numpy.lexsort` on (coordinate, peer index), a total order; memory sums are
 sequential `cumsum`s in that order; there is no randomness.
@@ -30,9 +31,7 @@ import numpy as np
 __all__ = ["bisect_clusters"]
 
 
-def _cut(
-    memory_cum: np.ndarray, k_low: int, k_high: int, need_bytes: float, min_size: int
-) -> int | None:
+def _cut(memory_cum: np.ndarray, k_low: int, k_high: int, need_bytes: float, min_size: int) -> int | None:
     """Number of peers for the lower side, or None when no cut leaves both sides feasible in total."""
     count = len(memory_cum)
     total = float(memory_cum[-1])

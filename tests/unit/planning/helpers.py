@@ -32,3 +32,24 @@ def random_peers(rng: np.random.Generator, count: int, memory_bytes: tuple[int, 
         )
         for i in range(count)
     ]
+
+
+def heterogeneous_peers(
+    rng: np.random.Generator, count: int, memory_scale_bytes: float
+) -> list[PeerCapacity]:
+    """Four device classes (laptop .. datacenter card) with lognormal spreads, like the benchmark's."""
+    classes = [(2e11, 0.35, 4e6), (2e13, 0.6, 1.2e7), (6e13, 1.3, 4e7), (2e14, 4.0, 1.2e8)]
+    peers = []
+    for i in range(count):
+        flops, memory, link = classes[int(rng.choice(4, p=[0.3, 0.4, 0.2, 0.1]))]
+        f, m, d, a = rng.lognormal(0.0, [0.35, 0.25, 0.6, 0.3])
+        peers.append(
+            PeerCapacity(
+                peer_id=f"p{i:05d}-{int(rng.integers(1 << 40)):010x}",
+                flops_per_s=float(flops * f),
+                memory_bytes=int(memory * m * memory_scale_bytes),
+                upload_bytes_per_s=float(link * d * min(a * 0.5, 1.0)),
+                download_bytes_per_s=float(link * d),
+            )
+        )
+    return peers
