@@ -11,6 +11,7 @@ from benchmarks.harness import write_index
 # Module names under benchmarks/, in the order `make bench` runs them. Each has `main(quick: bool) -> None`.
 ALL = [
     "bench_placement",
+    "bench_planner",
     "bench_gossip",
     "bench_averaging",
     "bench_learning",

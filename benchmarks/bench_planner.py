@@ -24,7 +24,8 @@ import numpy as np
 from benchmarks.harness import RESULTS_DIR, record
 from benchmarks.planner_baseline import baseline_cluster_peers
 from benchmarks.planner_swarms import JOB, model_layers, synthetic_swarm
-from ravnest_p2p.planning import PeerCapacity, Plan, homogeneity, make_plan, peer_features
+from ravnest_p2p.planning import PeerCapacity, Plan, cluster_peers, homogeneity, make_plan, peer_features
+from ravnest_p2p.planning.clustering import Clustering
 
 SEED = 2026
 BASELINE_MAX_PEERS = 300
@@ -42,12 +43,31 @@ def plan_objective(peers: Sequence[PeerCapacity], plan: Plan) -> dict[str, float
         labels += [c] * len(members)
         throughput.append(sum(ordered[i].flops_per_s for i in members))
     if not rows:
-        return {"k": 0, "J": float("nan"), "plan_mb_per_s": 0.0}
+        return {"k": 0, "J": float("nan"), "mb_per_s": 0.0}
     h = homogeneity(features[rows], np.array(labels))
     t = np.array(throughput)
     imbalance = float(t.std() / t.mean()) if len(t) > 1 else 0.0
     rate = sum(c.throughput_samples_per_s for c in plan.clusters)
-    return {"k": len(plan.clusters), "J": h + imbalance, "plan_mb_per_s": rate}
+    return {"k": len(plan.clusters), "J": h + imbalance, "mb_per_s": rate}
+
+
+def clustering_objective(
+    peers: Sequence[PeerCapacity], kind: str, cluster: Callable[..., Clustering]
+) -> dict[str, float]:
+    """The clustering's own objective before the spare rule: ``k`` and ``J`` over every peer."""
+    job = JOB.model_copy(update={"spare_ratio": 0.0})
+    clusters, _ = cluster(peers, model_layers(kind), job, epoch=1)
+    ordered = sorted(peers, key=lambda p: p.peer_id)
+    index = {p.peer_id: i for i, p in enumerate(ordered)}
+    labels = np.full(len(ordered), -1)
+    for c, members in enumerate(clusters):
+        labels[[index[p.peer_id] for p in members]] = c
+    placed = labels >= 0
+    features = peer_features(ordered)[placed]
+    flops = np.array([p.flops_per_s for p in ordered])
+    throughput = np.bincount(labels[placed], weights=flops[placed])
+    imbalance = float(throughput.std() / throughput.mean()) if len(throughput) > 1 else 0.0
+    return {"k": len(clusters), "J": homogeneity(features, labels[placed]) + imbalance}
 
 
 def _timed(fn: Callable[[], Plan]) -> tuple[Plan, float]:
@@ -100,11 +120,16 @@ def main(quick: bool) -> None:
             peers = synthetic_swarm(num_peers, SEED)
             plan, cpu_s = _timed(lambda: make_plan(peers, layers, JOB, epoch=1))  # noqa: B023
             row: dict[str, Any] = {"model": kind, "peers": num_peers, "new_cpu_s": cpu_s}
-            row.update({f"new_{k}": v for k, v in plan_objective(peers, plan).items()})
+            row.update(
+                {f"new_cl_{k}": v for k, v in clustering_objective(peers, kind, cluster_peers).items()}
+            )
+            row.update({f"new_plan_{k}": v for k, v in plan_objective(peers, plan).items()})
             if num_peers <= BASELINE_MAX_PEERS:
                 base, base_s = _timed(lambda: _baseline_plan(peers, kind))  # noqa: B023
                 row["baseline_cpu_s"] = base_s
-                row.update({f"baseline_{k}": v for k, v in plan_objective(peers, base).items()})
+                baseline_cl = clustering_objective(peers, kind, baseline_cluster_peers)
+                row.update({f"baseline_cl_{k}": v for k, v in baseline_cl.items()})
+                row.update({f"baseline_plan_{k}": v for k, v in plan_objective(peers, base).items()})
             rows.append(row)
             print(row, flush=True)
     plotted = _plot(rows, RESULTS_DIR / "planner.png")
@@ -114,8 +139,11 @@ def main(quick: bool) -> None:
         "FLOP/s, memory and links). Models: `small` fits on every peer (k up to n), `medium` needs ~2-8 "
         "peers. `baseline_*` = the clustering shipped before the rewrite (benchmarks/planner_baseline.py, "
         "vendored) inside the same make_plan, run at <= 300 peers only (it takes minutes at 1,000). "
-        "k = clusters planned (higher is better), J = homogeneity + CV of cluster FLOP/s (lower is "
-        "better), plan_mb_per_s = sum over pipelines of micro-batches/s (higher is better)."
+        "`*_cl_k`, `*_cl_J`: the clustering's own objective with the spare rule off (spare_ratio 0): "
+        "clusters (priority 2, higher is better) and J = homogeneity + CV of cluster FLOP/s over every "
+        "peer (priority 3, lower is better). `*_plan_*`: the same scores on the final plan "
+        "(spare_ratio 0.25: laggards and slow clusters wait as spares) and plan_mb_per_s = sum over "
+        "pipelines of micro-batches/s (higher is better)."
         + (" Plot: planner.png." if plotted else " (matplotlib missing: no plot.)")
         + (" Quick mode: no 10,000-peer case." if quick else "")
     )

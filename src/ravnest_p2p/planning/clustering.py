@@ -24,8 +24,9 @@ first (it is feasible whenever the model fits on most peers), then the feasibili
 by bisection on ``[1, k_max]`` (``k = 1`` is always feasible here): O(log k_max) trials instead of up
 to ``k_max``. A trial ``k`` is feasible when one of two candidate groupings is:
 
-* `rcb.bisect_clusters`: memory-weighted recursive coordinate bisection of the 2-D features, feasible
-  by construction when its cuts succeed; O(n log n log k), so it serves any ``k`` up to ``n``;
+* `rcb.bisect_clusters` + `kmeans.repair`: memory-weighted recursive coordinate bisection of the 2-D
+  features, feasible by construction when its cuts can be, else repaired; O(n log n log k) plus O(n)
+  per repair move, so it serves any ``k`` up to ``n``;
 * `kmeans.kmeans_runs` + `kmeans.repair`: seeded k-means++ / Lloyd runs (O(n k) per pass, running
   min-distance seeding) plus one Lloyd run started from the bisection's centroids, each followed by
   greedy memory repair, the repaired run of lowest ``J`` kept; only when ``n k <= KMEANS_MAX_CELLS``,
@@ -122,9 +123,13 @@ class _Trials:
 
     def _candidates(self, k: int) -> list[np.ndarray]:
         found: list[np.ndarray] = []
-        bisected = bisect_clusters(self.features, self.memory, k, self.need_bytes, self.min_size)
-        if bisected is not None:
+        bisected: np.ndarray | None = bisect_clusters(
+            self.features, self.memory, k, self.need_bytes, self.min_size
+        )
+        if repair(self.features, self.memory, bisected, k, self.need_bytes, self.min_size):
             found.append(bisected)
+        else:
+            bisected = None
         if len(self.features) * k <= KMEANS_MAX_CELLS:
             rng = np.random.default_rng([self.epoch, k])
             init = None if bisected is None else centroids(self.features, bisected, k)

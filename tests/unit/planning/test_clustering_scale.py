@@ -67,23 +67,30 @@ def test_chunked_assignment_matches_brute_force(monkeypatch: pytest.MonkeyPatch,
 
 @pytest.mark.parametrize("seed", range(10))
 @pytest.mark.parametrize("min_size", [1, 2, 3])
-def test_bisection_clusters_are_feasible_or_refused(seed: int, min_size: int) -> None:
+def test_bisection_clusters_are_non_empty_and_feasible_after_repair(seed: int, min_size: int) -> None:
     rng = np.random.default_rng(seed)
     features = rng.normal(size=(200, 2))
     memory = rng.integers(1, 100, size=200).astype(float)
     need = float(rng.integers(50, 400))
     k_bound = min(int(memory.sum() // need), 200 // min_size)
-    feasible_seen = False
-    for k in range(1, k_bound + 2):
+    repaired = 0
+    for k in range(1, k_bound + 1, max(1, k_bound // 15)):
         labels = bisect_clusters(features, memory, k, need, min_size)
-        if labels is None:
-            continue
-        feasible_seen = True
-        assert sorted(set(labels.tolist())) == list(range(k))
-        assert (np.bincount(labels, weights=memory, minlength=k) >= need).all()
-        assert (np.bincount(labels, minlength=k) >= min_size).all()
-    assert feasible_seen  # k = 1 always is
-    assert bisect_clusters(features, memory, k_bound + 1, need, min_size) is None or k_bound + 1 <= 200
+        assert sorted(set(labels.tolist())) == list(range(k))  # every cluster non-empty
+        if repair(features, memory, labels, k, need, min_size):
+            repaired += 1
+            assert (np.bincount(labels, weights=memory, minlength=k) >= need).all()
+            assert (np.bincount(labels, minlength=k) >= min_size).all()
+    assert repaired  # k = 1 always is feasible
+    with pytest.raises(ValueError, match="non-empty"):
+        bisect_clusters(features, memory, 201, need, min_size)
+
+
+def test_bisection_cuts_memory_evenly_between_similar_peers() -> None:
+    """Two well-separated groups of equal peers and k = 2: the cut falls between the groups."""
+    features = np.array([[0.0, 0.0]] * 6 + [[5.0, 5.0]] * 6) + np.linspace(0, 0.1, 12)[:, None]
+    labels = bisect_clusters(features, np.full(12, 10.0), 2, 60.0, 1)
+    assert labels.tolist() == [0] * 6 + [1] * 6
 
 
 @pytest.mark.parametrize("boundary", [1, 2, 7, 64, 99, 100])
