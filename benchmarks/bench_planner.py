@@ -90,14 +90,14 @@ def _plot(rows: Sequence[dict[str, Any]], path: Path) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
-    for kind in sorted({r["model"] for r in rows}):
-        for impl, marker in (("new", "o-"), ("baseline", "s--")):
+    for color, kind in zip(("tab:blue", "tab:green"), sorted({r["model"] for r in rows}), strict=False):
+        for impl, style in (("new", "o-"), ("baseline", "s--")):
             points = [
                 (r["peers"], r[f"{impl}_cpu_s"]) for r in rows if r["model"] == kind and f"{impl}_cpu_s" in r
             ]
             if points:
                 xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, marker, label=f"{impl}, {kind} model")
+                ax.plot(xs, ys, style, color=color, label=f"{impl}, {kind} model")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("peers")
