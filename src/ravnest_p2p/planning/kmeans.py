@@ -10,7 +10,8 @@ centre and updates it with one O(n) pass per new centre (O(n k) in all; the old 
 distance to every centre for each new one, O(n k^2)). A centre is drawn by inverting the cumulative sum
 of that array with one seeded uniform draw. Assignment is a dense argmin over an ``(n, k)`` distance
 table built per feature (never an ``(n, k, d)`` tensor) in row chunks of at most `_CHUNK_CELLS`
-entries; centroids are `numpy.bincount` sums. Repair scans all peers once per move, vectorised.
+entries; centroids are `numpy.bincount` sums. Repair scans all peers once per move, vectorised
+(O(n) per move); `clustering` also applies it to the clusters of `rcb`.
 The caller only runs this when ``n k`` is small (see `clustering`): with ``k ~ n`` the table is
 quadratic, and the recursive bisection of `rcb` is used instead.
 
@@ -20,15 +21,15 @@ argmin taking the lowest index on ties), and the only randomness is the generato
 Alternatives rejected. A k-d tree or grid for the assignment (exact, O(n log k)) would let k-means run
 at ``k ~ n``, but when ``k ~ n`` the clusters are a handful of peers whose grouping is dominated by the
 memory constraint, which the bisection handles directly; scipy's tree would also be a new dependency.
-Limits: k-means is a heuristic; the repair is greedy and can fail where a feasible grouping exists
-(the bisection candidate often succeeds there).
+Limits: k-means is a heuristic; the repair is greedy (nearest spare-able peer first, the lowest-numbered
+short cluster first) and can fail where a feasible grouping exists; it makes at most ``n`` moves.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["assign_nearest", "centroids", "kmeans", "kmeans_pp_seeds", "kmeans_runs", "repair", "sse"]
+__all__ = ["assign_nearest", "centroids", "kmeans_pp_seeds", "kmeans_runs", "repair", "sse"]
 
 _CHUNK_CELLS = 1 << 20
 _RESTARTS = 4
@@ -101,17 +102,6 @@ def _lloyd(features: np.ndarray, centers: np.ndarray) -> np.ndarray:
             break
         labels = new_labels
     return labels
-
-
-def kmeans(features: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Best-of-`_RESTARTS` seeded k-means labels (lowest SSE; the earlier restart wins ties)."""
-    best_labels = np.zeros(len(features), dtype=np.intp)
-    best_sse = np.inf
-    for labels in kmeans_runs(features, k, rng):
-        value = sse(features, labels, k)
-        if value < best_sse - 1e-12:
-            best_sse, best_labels = value, labels
-    return best_labels
 
 
 def kmeans_runs(
