@@ -123,16 +123,13 @@ class _Trials:
 
     def _candidates(self, k: int) -> list[np.ndarray]:
         found: list[np.ndarray] = []
-        bisected: np.ndarray | None = bisect_clusters(
-            self.features, self.memory, k, self.need_bytes, self.min_size
-        )
-        if repair(self.features, self.memory, bisected, k, self.need_bytes, self.min_size):
+        bisected = bisect_clusters(self.features, self.memory, k, self.need_bytes, self.min_size)
+        bisected_feasible = repair(self.features, self.memory, bisected, k, self.need_bytes, self.min_size)
+        if bisected_feasible:
             found.append(bisected)
-        else:
-            bisected = None
         if len(self.features) * k <= KMEANS_MAX_CELLS:
             rng = np.random.default_rng([self.epoch, k])
-            init = None if bisected is None else centroids(self.features, bisected, k)
+            init = centroids(self.features, bisected, k) if bisected_feasible else None
             best, best_j = None, np.inf
             for labels in kmeans_runs(self.features, k, rng, init=init):
                 if repair(self.features, self.memory, labels, k, self.need_bytes, self.min_size):
