@@ -226,8 +226,9 @@ class RunDHT:
         hivemind's validator already dropped records whose signature does not match their subkey's key.
         Values whose ``updated_at`` lies in the future or past the key's TTL are dropped (see
         `discovery.keys`). With `from_initial_peers`, the initial peers are also asked directly (where
-        `store_own` pins values) and, per signer, the value that expires last wins: a client polling a key for minutes
-        was seen reading a stale value through the DHT search while a fresh client read the new one.
+        `store_own` pins values) and, per signer, the value that expires last wins: a client polling a
+        key for minutes was seen reading a stale value through the DHT search while a fresh client read
+        the new one.
         """
         found = await self._node.get(self.key(name), latest=True)
         items: dict[Any, tuple[Any, float]] = {}
