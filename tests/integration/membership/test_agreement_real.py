@@ -57,7 +57,7 @@ def agreed_plan(peers: list[Peer]) -> Plan | None:
 
 
 async def start_lying_peer(initial_peers: tuple[str, ...]) -> tuple[P2PTransport, RunDHT]:
-    """A peer that announces 10^18 FLOP/s (valid signature, absurd figure) and runs nothing else."""
+    """A peer that tries to announce 10^18 FLOP/s (valid signature, absurd figure) and runs nothing else."""
     transport = await P2PTransport.create(
         HostConfig(initial_peers=initial_peers), load_or_create_identity(None)
     )
@@ -72,7 +72,8 @@ async def start_lying_peer(initial_peers: tuple[str, ...]) -> tuple[P2PTransport
         "state": "ready",
         "updated_at": dht_time(),
     }
-    assert await dht.store_own(PEERS_KEY, record, ttl_s=120.0)
+    # the run's record validator refuses the absurd figure at every replica (readers would drop it too)
+    assert not await dht.store_own(PEERS_KEY, record, ttl_s=120.0)
     return transport, dht
 
 
