@@ -196,6 +196,11 @@ class RunDHT:
             ttl_s = max_ttl_s
         expiration = dht_time() + ttl_s
         ok = bool(await self._node.store(self.key(name), value, expiration, subkey=self.own_subkey))
+        if not ok:
+            # hivemind reports the status of whichever replica answered last: one replica that refuses
+            # (e.g. a hostile node holding a plain value under the key) failed the whole store. Ask each
+            # replica again, with an expiry a hair later: a replica keeps a subkey only if it is newer
+            ok = await self._store_at_nearest(name, value, expiration + 1e-3)
         if pin_to_initial_peers and self.initial_peer_ids:
             pinned = await asyncio.gather(
                 *(self._store_at(peer_id, name, value, expiration) for peer_id in self.initial_peer_ids)
@@ -203,20 +208,39 @@ class RunDHT:
             ok = ok or any(pinned)
         return ok
 
-    async def _store_at(self, peer_id: str, name: str, value: Any, expiration: float) -> bool:
-        """Store one signed subkey value at one given node (as `DHTNode.store` does at each replica)."""
+    def _signed_record(self, name: str, value: Any, expiration: float) -> DHTRecord:
         protocol = self._node.protocol
-        key_id = DHTID.generate(source=self.key(name))
         record = DHTRecord(
-            key_id.to_bytes(),
+            DHTID.generate(source=self.key(name)).to_bytes(),
             protocol.serializer.dumps(self.own_subkey),
             protocol.serializer.dumps(value),
             expiration,
         )
-        signed = self._chain.sign_value(record)
-        peer = PeerID.from_base58(peer_id)
+        return DHTRecord(record.key, record.subkey, self._chain.sign_value(record), expiration)
+
+    async def _store_at(self, peer_id: str | PeerID, name: str, value: Any, expiration: float) -> bool:
+        """Store one signed subkey value at one given node (as `DHTNode.store` does at each replica)."""
+        protocol = self._node.protocol
+        key_id = DHTID.generate(source=self.key(name))
+        signed = self._signed_record(name, value, expiration).value
+        peer = PeerID.from_base58(peer_id) if isinstance(peer_id, str) else peer_id
         result = await protocol.call_store(peer, [key_id], [signed], expiration, subkeys=[self.own_subkey])
         return bool(result and result[0])
+
+    async def _store_at_nearest(self, name: str, value: Any, expiration: float) -> bool:
+        """Store at each of the key's nearest nodes (ourselves included); True if any of them took it."""
+        key_id = DHTID.generate(source=self.key(name))
+        nearest = await self._node.find_nearest_nodes([key_id], k_nearest=self._node.num_replicas)
+        stored = []
+        for node_id, peer in nearest.get(key_id, {}).items():
+            if node_id == self._node.node_id:
+                record = self._signed_record(name, value, expiration)
+                if self._chain.validate(record):
+                    storage = self._node.protocol.storage
+                    stored.append(storage.store(key_id, record.value, expiration, subkey=self.own_subkey))
+            else:
+                stored.append(await self._store_at(peer, name, value, expiration))
+        return any(stored)
 
     async def get_signed(
         self, name: str, *, from_initial_peers: bool = False

@@ -72,7 +72,9 @@ def test_plain_and_unprotected_values_are_refused(ids):
     key = DHTID.generate(source=run_key(RUN, "peers")).to_bytes()
     plain = DHTRecord(key, DHTProtocol.IS_REGULAR_VALUE, MSGPackSerializer.dumps({"x": 1}), NOW + 10)
     assert not composite.validate(plain)
-    unprotected = DHTRecord(key, MSGPackSerializer.dumps(b"me"), MSGPackSerializer.dumps(peer_value(ids[0])), NOW)
+    unprotected = DHTRecord(
+        key, MSGPackSerializer.dumps(b"me"), MSGPackSerializer.dumps(peer_value(ids[0])), NOW
+    )
     assert not composite.validate(unprotected)
     assert run.refused["unsigned"] == 2
 
