@@ -4,7 +4,6 @@ stores whatever it likes in its own storage and sends raw store requests straigh
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 

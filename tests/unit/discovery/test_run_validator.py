@@ -124,7 +124,7 @@ def test_expiry_may_not_run_past_updated_at_plus_the_ttl(ids):
 
 
 def test_a_tampered_value_fails_the_signature(ids):
-    _, run, composite = chain(ids[1])
+    _, _run, composite = chain(ids[1])
     rec = record(ids[0], "peers", peer_value(ids[0]))
     forged = dataclasses.replace(rec, value=rec.value.replace(b"ready", b"drain"))
     assert not composite.validate(forged)
@@ -151,7 +151,7 @@ def test_keys_outside_the_registry_or_run_pass_untouched(ids):
 
 
 def test_discovery_keys_alone_check_shape_but_not_upper_schemas(ids):
-    _, run, composite = chain(ids[1], keys=discovery_keys())
+    _, _run, composite = chain(ids[1], keys=discovery_keys())
     assert composite.validate(record(ids[0], "job", {"schema_version": 1, "job_id": "bad id!"}))
     assert not composite.validate(record(ids[0], "job", {"schema_version": 1}, ttl_s=1e6))
 
@@ -178,4 +178,5 @@ def test_registry_is_immutable_and_names_are_fixed():
     assert {"peers", "job", "owners", "plan", "metrics", "progress", "checkpoints", "suspects"} <= set(keys)
     with pytest.raises(KeyError):
         keys.with_schema("nope", lambda v, s: v)
-    assert keys["job"].schema is None and run_keys()["job"].schema is not None
+    assert keys["job"].schema is None
+    assert run_keys()["job"].schema is not None
