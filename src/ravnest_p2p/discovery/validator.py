@@ -10,8 +10,9 @@ What this validator does, for every name of the run's `KeyRegistry` (other keys 
 - refuses plain values and subkeys without an owner key (the RSA validator, which runs first, has
   already checked the signature of those that have one);
 - refuses expiries beyond the key's maximum TTL (plus a small clock skew) and values over its size cap;
-- refuses values that are not a map with an integer ``schema_version``, whose ``updated_at`` is in the
-  future or older than the TTL (or older than the expiry allows), or that fail the key's schema;
+- refuses values that are not a map with an integer ``schema_version``, that nest deeper than 16
+  levels, whose ``updated_at`` is in the future or older than the TTL (or older than the expiry
+  allows), or that fail the key's schema;
 - for ``owner_only`` keys of an owned run, refuses every signer but the owner.
 
 hivemind runs validators by decreasing `priority` on validation: the RSA validator (10) first, then
@@ -48,6 +49,21 @@ __all__ = ["RunRecordValidator", "discovery_keys", "run_key"]
 logger = logging.getLogger(__name__)
 
 _PRIORITY = 5  # below RSASignatureValidator's 10: we see values after their signature is checked
+MAX_DEPTH = 16  # no run value nests deeper; a deeper one is a recursion bomb for readers
+
+
+def _shallow(value: Any, max_depth: int) -> bool:
+    """Whether `value`'s maps and lists nest at most `max_depth` levels (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list | tuple) else ()
+        for child in children:
+            if isinstance(child, dict | list | tuple):
+                if depth + 1 > max_depth:
+                    return False
+                stack.append((child, depth + 1))
+    return True
 
 
 def run_key(run_id: str, name: str) -> str:
@@ -126,6 +142,8 @@ class RunRecordValidator(RecordValidatorBase):
             return "undecodable"
         if not isinstance(value, dict):
             return "not a map"
+        if not _shallow(value, MAX_DEPTH):
+            return "nested too deep"
         version = value.get("schema_version")
         if isinstance(version, bool) or not isinstance(version, int):
             return "no schema version"
