@@ -9,13 +9,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import TracebackType
 
-from ravnest_p2p.discovery import PeerDirectory, PeerRecord, RunDHT
+from ravnest_p2p.discovery import OWNERS_KEY, OwnersRecord, PeerDirectory, PeerRecord, RunDHT, dht_time
 from ravnest_p2p.errors import RavnestError
+from ravnest_p2p.membership import DhtPlanBoard
 from ravnest_p2p.training.job import JobSpec
-from ravnest_p2p.training.metrics import StageMetrics, metrics_key
+from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics, member_metrics, plan_members
 from ravnest_p2p.training.placement import plan_assignment
+from ravnest_p2p.training.run_keys import run_keys
 from ravnest_p2p.training.runner import JOB_KEY
 
 __all__ = ["RunClient", "newest_epoch"]
@@ -57,8 +60,25 @@ class RunClient:
         self._directory = PeerDirectory(dht, dht.transport, dial_new_peers=True)
 
     @classmethod
-    async def connect(cls, initial_peers: Sequence[str], run_id: str = "default") -> RunClient:
-        client = cls(await RunDHT.join_as_client(initial_peers, run_id=run_id))
+    async def connect(
+        cls,
+        initial_peers: Sequence[str],
+        run_id: str = "default",
+        *,
+        identity_path: str | Path | None = None,
+        run_owner: str | None = None,
+    ) -> RunClient:
+        """Join the run as a DHT client.
+
+        Args:
+            identity_path: the researcher's key file (created if missing): the same file makes the same
+                `peer_id`, i.e. the same run owner, across sessions. None: a fresh identity.
+            run_owner: the run's owner, if it is not this client (only its ``owners`` record is kept).
+        """
+        dht = await RunDHT.join_as_client(
+            initial_peers, run_id=run_id, identity_path=identity_path, keys=run_keys(), run_owner=run_owner
+        )
+        client = cls(dht)
         try:
             await client.peers()  # dials the peers our initial peers know of: the whole DHT becomes reachable
         except BaseException:
@@ -90,29 +110,65 @@ class RunClient:
         """The job with an explicit assignment computed by the planner over `records`."""
         return job.model_copy(update={"assignment": plan_assignment(records, job, min_stages=min_stages)})
 
+    @property
+    def peer_id(self) -> str:
+        """This client's peer id: the owner id to give peers (``--run-owner``) for runs it owns."""
+        peer_id = self.dht.peer_id
+        assert peer_id is not None  # a client always has its own transport
+        return peer_id
+
     async def publish_job(self, job: JobSpec, *, ttl_s: float = 3600.0) -> None:
-        """Publish `job`. With an assignment it runs there; without, on the peers' agreed plan."""
+        """Publish `job`. With an assignment it runs there; without, on the peers' agreed plan.
+
+        Peers of an owned run train it only if this client is the owner or a key the owner lists.
+        `ttl_s` may not exceed the ``job`` key's maximum (one day): republish to run longer.
+        """
+        max_ttl_s = self.dht.max_ttl_s(JOB_KEY)
+        if max_ttl_s is not None and ttl_s > max_ttl_s:
+            raise ValueError(f"a job's ttl_s is at most {max_ttl_s:.0f} s (got {ttl_s:.0f})")
         if not await self.dht.store_own(JOB_KEY, job.to_wire(), ttl_s=ttl_s):
             raise RavnestError("no DHT peer accepted the job")
 
+    async def publish_owners(self, keys: Sequence[str], *, ttl_s: float = 86400.0) -> None:
+        """As the run's owner, let the peer ids `keys` publish jobs too, for `ttl_s` (at most 7 days).
+
+        A delegate's jobs count only while this record lives and never expire after it.
+        """
+        max_ttl_s = self.dht.max_ttl_s(OWNERS_KEY)
+        if max_ttl_s is not None and ttl_s > max_ttl_s:
+            raise ValueError(f"the owners record's ttl_s is at most {max_ttl_s:.0f} s (got {ttl_s:.0f})")
+        record = OwnersRecord(owner=self.peer_id, keys=tuple(keys), updated_at=dht_time())
+        if not await self.dht.store_own(OWNERS_KEY, record.model_dump(mode="json"), ttl_s=ttl_s):
+            raise RavnestError("no DHT peer accepted the owners record")
+
     async def metrics(self, *, epoch: int | None = None, job_id: str | None = None) -> list[StageMetrics]:
-        """Stage metrics of `epoch`, or (None) of every epoch the peers' records name, plus epoch 0."""
-        epochs = {epoch} if epoch is not None else {0} | {r.epoch for r in await self.peers()}
-        latest: dict[tuple[str, str], StageMetrics] = {}  # (job, peer) -> newest metrics over epochs
-        for e in sorted(epochs):
-            # final metrics are pinned at the initial peers: read them there too
-            found = await self.dht.get_signed(metrics_key(e), from_initial_peers=True)
-            for signer, (value, _) in found.items():
-                try:
-                    m = StageMetrics.model_validate(value)
-                except Exception:
-                    continue
-                if m.peer_id != signer or (job_id is not None and m.job_id != job_id):
-                    continue
-                key = (m.job_id, m.peer_id)
-                if key not in latest or m.updated_at > latest[key].updated_at:
-                    latest[key] = m
+        """The newest stage metrics of each (job, peer), optionally of one plan `epoch` and one job."""
+        await self.peers()  # dials peers that joined since: the replicas they are become reachable
+        latest: dict[tuple[str, str], StageMetrics] = {}  # (job, peer) -> newest metrics
+        # final metrics are pinned at the initial peers: read them there too
+        found = await self.dht.get_signed(METRICS_KEY, from_initial_peers=True)
+        for signer, (value, _) in found.items():
+            try:
+                m = StageMetrics.model_validate(value)
+            except Exception:
+                continue
+            if m.peer_id != signer or (job_id is not None and m.job_id != job_id):
+                continue
+            if epoch is not None and m.epoch != epoch:
+                continue
+            key = (m.job_id, m.peer_id)
+            if key not in latest or m.updated_at > latest[key].updated_at:
+                latest[key] = m
         return sorted(latest.values(), key=lambda m: (m.cluster, m.stage))
+
+    async def member_metrics(self, job: JobSpec, metrics: Sequence[StageMetrics]) -> list[StageMetrics]:
+        """`metrics` of `job` from the peers that hold the positions they report (see
+        `training.metrics.member_metrics`): the job's assignment, or the plan in peers' signed records."""
+        if job.assignment is not None:
+            return member_metrics(metrics, assignment=job.assignment)
+        records = {r.peer_id: r for r in await self.peers()}
+        plans = await DhtPlanBoard(self.dht).read_all()
+        return member_metrics(metrics, members=plan_members(records, plans))
 
     async def wait_for_job(
         self,
@@ -122,7 +178,10 @@ class RunClient:
         poll_s: float = 2.0,
         on_progress: Callable[[list[StageMetrics]], None] | None = None,
     ) -> list[StageMetrics]:
-        """Poll metrics until every first stage of the job reports done; return the final metrics."""
+        """Poll metrics until every first stage of the job reports done; return the final metrics.
+
+        Only metrics of peers that are members of the job's assignment or plan count (`member_metrics`).
+        """
         num_clusters = len(job.assignment) if job.assignment else None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -131,7 +190,9 @@ class RunClient:
                 # one poll may not hang the wait: a lab run's client idled for 420 s after every stage had
                 # stored done (a fresh client read it at once); a poll past its share is abandoned
                 async with asyncio.timeout(_POLL_TIMEOUT_S):
-                    metrics = newest_epoch(await self.metrics(job_id=job.job_id))
+                    metrics = newest_epoch(
+                        await self.member_metrics(job, await self.metrics(job_id=job.job_id))
+                    )
             except TimeoutError:
                 logger.warning("reading the metrics of job %s took too long; polling again", job.job_id)
                 metrics = None

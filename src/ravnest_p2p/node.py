@@ -20,6 +20,7 @@ from ravnest_p2p.measurement import NetworkMeter, ProbeConfig, free_memory_bytes
 from ravnest_p2p.membership import DhtPlanBoard, MembershipConfig, MembershipService
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.placement import assignment_from_plan, job_params, layer_profiles
+from ravnest_p2p.training.run_keys import run_keys
 from ravnest_p2p.training.runner import Placement, StageRunner, find_placement, read_job
 from ravnest_p2p.transport import HostConfig, P2PTransport, RpcEndpoint, load_or_create_identity
 from ravnest_p2p.types import PeerState
@@ -51,6 +52,10 @@ class PeerConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     run_id: str = Field(default="default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    # the owner's peer id: only its jobs (or those of keys it lists) are trained; None: an open run
+    run_owner: str | None = Field(
+        default=None, min_length=10, max_length=128, pattern=r"^[1-9A-HJ-NP-Za-km-z]+$"
+    )
     initial_peers: tuple[str, ...] = ()
     identity_path: Path | None = None
     host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
@@ -154,6 +159,8 @@ class Peer:
                 run_id=config.run_id,
                 initial_peers=config.initial_peers,
                 client_mode=config.client_mode,
+                keys=run_keys(),
+                run_owner=config.run_owner,
             )
         except BaseException:
             await transport.aclose()
@@ -181,6 +188,10 @@ class Peer:
             self._tasks.spawn(self.membership.run(), name="membership")
         self._tasks.spawn(self._job_loop(), name="jobs")
         logger.info("peer %s ready: %.1f GFLOP/s", self.peer_id, self.flops / 1e9)
+        if self.config.run_owner is None:
+            logger.warning(
+                "run %r has no owner: this peer trains anyone's job (see --run-owner)", self.config.run_id
+            )
 
     @property
     def peer_id(self) -> str:
@@ -327,6 +338,7 @@ class Peer:
             epoch=epoch,
             cluster=cluster,
             stage=stage,
+            run_owner=self.config.run_owner,
             updated_at=dht_time(),
         )
 

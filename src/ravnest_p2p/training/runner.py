@@ -15,18 +15,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ravnest_p2p.discovery import RunDHT, dht_time
+from ravnest_p2p.discovery import OWNERS_KEY, RunDHT, authorized_signers, dht_time
 from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.runtime.service import PipelineConfig, StageService, default_window
 from ravnest_p2p.training.data import ArrayDataset
 from ravnest_p2p.training.job import JobSpec, StagePlacement
-from ravnest_p2p.training.metrics import StageMetrics, metrics_key
+from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics
 from ravnest_p2p.training.replicas import ReplicaAverager, shard_map_for, tensor_digests
 from ravnest_p2p.training.stages import build_stage, load_dataset, steps_per_cluster, train_batches
 from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import TaskOwner
 
-__all__ = ["JOB_KEY", "Placement", "StageRunner", "find_placement", "read_job"]
+__all__ = ["JOB_KEY", "Placement", "StageRunner", "find_placement", "pick_job", "read_job"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,19 +57,45 @@ def find_placement(job: JobSpec, peer_id: str, *, epoch: int = 0) -> Placement |
     return None
 
 
-async def read_job(dht: RunDHT) -> JobSpec | None:
-    """The newest valid job in the run (jobs are owner-signed; malformed ones are ignored)."""
-    found = await dht.get_signed(JOB_KEY)
-    newest: tuple[float, JobSpec] | None = None
+def pick_job(
+    found: dict[str, tuple[object, float]],
+    *,
+    run_owner: str | None = None,
+    owners: dict[str, tuple[object, float]] | None = None,
+) -> JobSpec | None:
+    """The run's job among signed `job` values ({signer: (value, expiry)}); None if none is valid.
+
+    Open run (`run_owner` None): any signer's job; the one that expires last wins. Owned run: only jobs
+    signed by the owner or by a key its ``owners`` record lists; a delegate's job counts only while that
+    record lives, and its expiry is capped at the record's (the owner's say-so bounds it). The job with
+    the latest (capped) expiry wins; on a tie the owner's. The ``job`` key's maximum TTL (one day, see
+    `discovery.keys`) caps every expiry, the owner's too.
+    """
+    allowed = authorized_signers(run_owner, owners or {}) if run_owner is not None else None
+    newest: tuple[float, bool, JobSpec] | None = None
     for signer, (value, expiration) in found.items():
+        if allowed is not None:
+            if signer not in allowed or allowed[signer] < dht_time():
+                logger.debug("ignoring a job from %s: not an owner of this run", signer)
+                continue
+            expiration = min(expiration, allowed[signer])
         try:
             job = JobSpec.model_validate(value)
         except Exception as exc:
             logger.debug("ignoring malformed job from %s: %s", signer, exc)
             continue
-        if newest is None or expiration > newest[0]:
-            newest = (expiration, job)
-    return newest[1] if newest else None
+        rank = (expiration, signer == run_owner)
+        if newest is None or rank > newest[:2]:
+            newest = (expiration, signer == run_owner, job)
+    return newest[2] if newest else None
+
+
+async def read_job(dht: RunDHT, *, run_owner: str | None = None) -> JobSpec | None:
+    """The run's current job (see `pick_job`); `run_owner` defaults to the DHT's."""
+    run_owner = run_owner if run_owner is not None else dht.run_owner
+    found = await dht.get_signed(JOB_KEY)
+    owners = await dht.get_signed(OWNERS_KEY) if run_owner is not None and found else {}
+    return pick_job(found, run_owner=run_owner, owners=owners)
 
 
 def _peak_rss_bytes() -> int:
@@ -156,7 +182,7 @@ class StageRunner:
         return tensor_digests({**executor.parameters_by_name(), **executor.buffers_by_name()})
 
     async def publish_metrics(self, *, final: bool = False) -> None:
-        """Store this stage's metrics under `metrics/<epoch>` (best effort while training).
+        """Store this stage's metrics under ``metrics`` (best effort while training).
 
         The `final` publication (done or failed) is what `RunClient.wait_for_job` waits for, and nothing
         republishes it: it also goes to the initial peers (which every client reaches) and is retried
@@ -173,7 +199,7 @@ class StageRunner:
         while True:
             try:
                 stored = await self.dht.store_own(
-                    metrics_key(self.placement.epoch),
+                    METRICS_KEY,
                     metrics.model_dump(mode="json"),
                     ttl_s=600,
                     pin_to_initial_peers=final,
