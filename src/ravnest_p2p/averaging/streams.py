@@ -91,14 +91,17 @@ class P2PStreams:
         self._transport = transport
 
     async def serve(self, name: str, handler: StreamHandler) -> None:
-        async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await handler(info.peer_id.to_base58(), reader, writer)
+        # each stream takes a slot of its sender's inbound budget (`transport/budget.py`): over it, the
+        # stream is refused before its hello is read
+        async def on_stream(
+            remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, lease: Any
+        ) -> None:
+            await handler(remote, reader, writer)
 
-        await self._transport.p2p.add_binary_stream_handler(name, on_stream)
+        await self._transport.add_stream_handler(name, on_stream)
 
     async def unserve(self, name: str) -> None:
-        with contextlib.suppress(P2PDaemonError):
-            await self._transport.p2p.remove_binary_stream_handler(name)
+        await self._transport.remove_stream_handler(name)
 
     async def open(self, peer_id: str, name: str) -> tuple[ByteReader, ByteWriter]:
         # The daemon cannot route to a peer it never dialled: dial by the multiaddrs the transport knows.
