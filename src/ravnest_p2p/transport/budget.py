@@ -8,8 +8,11 @@ size. Over either budget the request is refused at once: the sender learns ``bus
 
 Alternatives rejected: a global semaphore (one flooder starves everyone, including the pipeline);
 counting bytes as they arrive (the refusal would come after the memory was spent, and a slow sender
-holds its announced promise anyway). Limit: a peer id is cheap to make, so the totals (`WireLimits`)
-are what bounds many identities together; they bound memory, not fairness between identities.
+holds its announced promise anyway). Small requests (`WireLimits.small_request_bytes`: pings,
+control messages) take a slot but no bytes, so identities that fill the byte budget with large
+announcements cannot stop them. Limit: a peer id is cheap to make, so the totals (`WireLimits`) are
+what bounds many identities together; they bound memory, not fairness between identities: several
+identities trickling large frames can keep an honest large frame (an activation) waiting for room.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ class InboundBudget:
         self.limits = limits
         self._peers: dict[str, _Usage] = {}
         self._total = _Usage()
-        self.refused = 0
+        self.refused = 0  # requests and reservations refused
+        self.reservations = 0  # reservations granted
 
     def admit(self, peer_id: str, size_bytes: int = 0) -> Lease | None:
         """A slot for a new request of `peer_id` (and `size_bytes` reserved), or None if over budget."""
@@ -80,6 +84,8 @@ class InboundBudget:
         return lease
 
     def _reserve(self, lease: Lease, size_bytes: int) -> bool:
+        if size_bytes <= self.limits.small_request_bytes:
+            return True  # bounded by the slots: a ping passes even when big announcements fill the bytes
         usage = self._peers[lease.peer_id]
         if (
             usage.bytes + size_bytes > self.limits.max_bytes_per_peer
@@ -90,6 +96,7 @@ class InboundBudget:
         usage.bytes += size_bytes
         self._total.bytes += size_bytes
         lease.reserved_bytes += size_bytes
+        self.reservations += 1
         return True
 
     def _release(self, lease: Lease) -> None:

@@ -19,6 +19,7 @@ MAX_HEADER_BYTES                256 KiB     an envelope's msgpack header (every 
 GOSSIP_MAX_BUCKETS              4096        bucket digests / bucket lists of one gossip message
 GOSSIP_ITEM_MAX_BYTES           184         one gossip item at its field caps, packed
 GOSSIP_MAX_ITEMS                derived     items that fit the header with every bucket list full
+GOSSIP_MAX_MESSAGE_BYTES        derived     a gossip_view request or reply (the header + prefix)
 MAX_PROBE_BYTES                 16 MiB      a bandwidth probe's payload, either direction
 MAX_RING_HELLO_BYTES            4 KiB       a ring stream's hello
 ==============================  ==========  ======================================================
@@ -32,6 +33,7 @@ max_inbound_per_peer            32          a further stream/unary call of that 
 max_bytes_per_peer              512 MiB     a frame announcing more than is left: ``busy``
 max_bytes_total                 1 GiB       the same, over all peers together
 max_inbound_total               1024        a further inbound stream/call from anyone: ``busy``
+small_request_bytes             64 KiB      up to it a request takes a slot but no bytes
 idle_timeout_s                  30 s        no byte on a stream that owes us one: closed
 frame_floor_s / min_rate        30 s, 256   a frame must arrive within floor + size / rate
                                 KiB/s
@@ -50,6 +52,7 @@ __all__ = [
     "GOSSIP_ITEM_MAX_BYTES",
     "GOSSIP_MAX_BUCKETS",
     "GOSSIP_MAX_ITEMS",
+    "GOSSIP_MAX_MESSAGE_BYTES",
     "GOSSIP_PEER_ID_MAX_CHARS",
     "KIB",
     "MAX_HEADER_BYTES",
@@ -95,6 +98,9 @@ GOSSIP_MAX_ITEMS = (
 (~980). A view diff larger than that (a swarm of thousands meeting for the first time) takes more
 than one exchange."""
 
+GOSSIP_MAX_MESSAGE_BYTES = MAX_HEADER_BYTES + 64
+"""A gossip message is all header (no tensors): its envelope is the header plus the envelope prefix."""
+
 MAX_PROBE_BYTES = 16 * MIB
 MAX_RING_HELLO_BYTES = 4 * KIB
 
@@ -113,6 +119,8 @@ class WireLimits(BaseModel):
     max_inbound_total: int = Field(default=1024, ge=1)
     max_bytes_per_peer: int = Field(default=512 * MIB, ge=1)
     max_bytes_total: int = Field(default=1 * GIB, ge=1)
+    # requests (and replies) up to this size take a slot but no bytes: at most slots x this in all
+    small_request_bytes: int = Field(default=64 * KIB, ge=0)
     # a stream that owes us bytes (a request not yet complete, a reply) and sends none for this long
     idle_timeout_s: float = Field(default=30.0, gt=0)
     # a frame of n bytes must be complete within frame_floor_s + n / min_rate_bytes_per_s of its start

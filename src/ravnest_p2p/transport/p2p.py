@@ -269,6 +269,8 @@ class P2PTransport:
                 data = await read_frame_body(reader, length, limits=limits)
                 reply = await handler(data, remote)
                 del data
+                if not lease.reserve(len(reply)):  # a reply waiting for a slow reader is held for it
+                    reply = error_envelope("busy", f"no room for a reply of {len(reply)} bytes to {remote}")
                 async with asyncio.timeout(limits.frame_timeout_s(len(reply))):
                     await write_frame(writer, reply)
             except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
