@@ -72,7 +72,10 @@ def _stream(method: str) -> str:
 
 async def test_announced_lengths_cost_no_memory_until_their_bytes_arrive(hostile):
     hostile.surface = "stream:rpc"
-    async with hosts(3) as (first, stage, attacker), local_pipeline(JOB, [first, stage], max_in_flight=2) as svc:
+    async with (
+        hosts(3) as (first, stage, attacker),
+        local_pipeline(JOB, [first, stage], max_in_flight=2) as svc,
+    ):
         await _serve_extras(svc[1].rpc)
         before_params = _digest(svc)
         announced = {"forward": MAX_ACTIVATION_BYTES, "probe_bandwidth": MAX_PROBE_BYTES}
@@ -122,7 +125,13 @@ async def test_half_open_streams_are_closed_by_the_idle_deadline(hostile):
             names = [_stream(m) for m in ("forward", "ping", "probe_bandwidth", "gossip_view")]
             names.append(f"ravnest/{NS}/ring_parts")
 
+            gate = asyncio.Semaphore(8)  # the daemons' control sockets take a few opens at once well
+
             async def half_open(i: int):
+                async with gate:
+                    return await _half_open(i)
+
+            async def _half_open(i: int):
                 source = attacker if i % 2 else attacker2
                 reader, writer = await open_raw(source, stage.peer_id, names[i % len(names)])
                 kind = (i // len(names)) % 3
@@ -141,7 +150,9 @@ async def test_half_open_streams_are_closed_by_the_idle_deadline(hostile):
             assert all(closed), f"{closed.count(False)} of 200 half-open streams still open after 15 s"
             await wait_until(lambda: stage.budget.held() == (0, 0), 10, "no slot held")
             close_all(writers)
-            assert (await svc[0].rpc.call(stage.peer_id, PING, PingRequest(), timeout_s=5)).message is not None
+            assert (
+                await svc[0].rpc.call(stage.peer_id, PING, PingRequest(), timeout_s=5)
+            ).message is not None
         finally:
             await ring.aclose()
 
@@ -179,7 +190,9 @@ async def test_slowloris_of_100_streams_keeps_rss_bounded_and_pings_fast(hostile
         peak, latencies = 0, []
         try:
             while not all(t.done() for t in trickles):
-                latencies.append(await timed(lambda: client.call(stage.peer_id, PING, PingRequest(), timeout_s=5)))
+                latencies.append(
+                    await timed(lambda: client.call(stage.peer_id, PING, PingRequest(), timeout_s=5))
+                )
                 peak = max(peak, rss_bytes() - rss_before)
                 await asyncio.sleep(0.1)
         finally:
@@ -191,7 +204,9 @@ async def test_slowloris_of_100_streams_keeps_rss_bounded_and_pings_fast(hostile
         hostile.refused += stage.budget.refused
         assert peak <= RSS_BOUND, f"RSS grew {peak / MIB:.0f} MiB under a 100-stream slowloris"
         assert max(latencies) < 1.0, f"ping took {max(latencies):.2f}s under a slowloris"
-        await wait_until(lambda: stage.budget.held() == (0, 0), 20, "the slowloris streams' budget was released")
+        await wait_until(
+            lambda: stage.budget.held() == (0, 0), 20, "the slowloris streams' budget was released"
+        )
         assert _digest(svc) == before_params
 
 
@@ -214,7 +229,11 @@ async def test_a_ping_is_answered_within_a_second_under_a_flood(hostile):
                 method = rng.choice(["ping", "forward", "gossip_view", "probe_bandwidth", "stage_ready"])
                 try:
                     reply = await attacker.call(
-                        stage.peer_id, f"ravnest/{NS}/{method}", junk, stream=False, max_response_bytes=1 << 20
+                        stage.peer_id,
+                        f"ravnest/{NS}/{method}",
+                        junk,
+                        stream=False,
+                        max_response_bytes=1 << 20,
                     )
                     counts["refused"] += b'"error"' in bytes(reply) or b"error" in bytes(reply)
                 except Exception:
@@ -237,7 +256,8 @@ async def test_a_ping_is_answered_within_a_second_under_a_flood(hostile):
         try:
             await wait_until(lambda: counts["sent"] >= 50, 20, "the flood is under way")
             latencies = [
-                await timed(lambda: client.call(stage.peer_id, PING, PingRequest(), timeout_s=5)) for _ in range(10)
+                await timed(lambda: client.call(stage.peer_id, PING, PingRequest(), timeout_s=5))
+                for _ in range(10)
             ]
         finally:
             stop.set()

@@ -66,6 +66,7 @@ _DIAL_YIELD_S = 0.5  # how long the larger peer id waits for the smaller one's d
 _DAEMON_CALL_S = 15.0  # a dial or a peer listing through the daemon's control socket, at most
 _MAX_DISCARD_BYTES = 64 << 20  # a refused body an honest sender may still be writing; past it: close
 _DISCARD_TIMEOUT_S = 10.0
+_DISCARD_IDLE_S = 2.0  # a sender still writing its refused body sends something every moment
 _REPLY_TIMEOUT_S = 10.0  # writing an error reply to a sender that does not read it
 
 
@@ -107,7 +108,8 @@ async def _discard(reader: asyncio.StreamReader, size_bytes: int) -> None:
         async with asyncio.timeout(_DISCARD_TIMEOUT_S):
             remaining = size_bytes
             while remaining > 0:
-                chunk = await reader.read(min(remaining, 1 << 20))
+                async with asyncio.timeout(_DISCARD_IDLE_S):
+                    chunk = await reader.read(min(remaining, 1 << 20))
                 if not chunk:
                     return
                 remaining -= len(chunk)
