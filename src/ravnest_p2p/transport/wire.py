@@ -169,7 +169,7 @@ async def read_frame_body(
     frame_deadline = start + limits.frame_timeout_s(length)
     idle_s = limits.idle_timeout_s
     buffer = np.empty(min(length, _FIRST_ALLOC_BYTES), dtype=np.uint8)
-    view = memoryview(buffer)
+    view = memoryview(buffer)  # type: ignore[arg-type]  # an ndarray is a buffer
     received = 0
     moved = start
     try:
@@ -178,7 +178,7 @@ async def read_frame_body(
                 if received == len(view):
                     grown = np.empty(min(length, received * _GROWTH), dtype=np.uint8)
                     grown[:received] = buffer[:received]
-                    buffer, view = grown, memoryview(grown)
+                    buffer, view = grown, memoryview(grown)  # type: ignore[arg-type]
                 chunk = await reader.read(min(len(view) - received, _READ_CHUNK_BYTES))
                 if not chunk:
                     raise asyncio.IncompleteReadError(b"", length)

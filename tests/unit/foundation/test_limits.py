@@ -6,7 +6,14 @@ import pytest
 
 from ravnest_p2p.averaging.frames import MAX_HELLO_BYTES
 from ravnest_p2p.averaging.messages import RING_STATUS, StatusReply, StreamHello
-from ravnest_p2p.membership.gossip import GOSSIP_VIEW, MAX_BUCKETS, MAX_ITEMS, GossipItem, GossipReply, GossipRequest
+from ravnest_p2p.membership.gossip import (
+    GOSSIP_VIEW,
+    MAX_BUCKETS,
+    MAX_ITEMS,
+    GossipItem,
+    GossipReply,
+    GossipRequest,
+)
 from ravnest_p2p.transport.limits import GOSSIP_MAX_ITEMS, MAX_HEADER_BYTES, WireLimits
 from ravnest_p2p.transport.wire import decode_envelope, encode_envelope
 
