@@ -17,7 +17,7 @@ name                            value       bounds
 ==============================  ==========  ======================================================
 MAX_HEADER_BYTES                256 KiB     an envelope's msgpack header (every RPC message body)
 GOSSIP_MAX_BUCKETS              4096        bucket digests / bucket lists of one gossip message
-GOSSIP_ITEM_MAX_BYTES           184         one gossip item at its field caps, packed
+GOSSIP_ITEM_MAX_BYTES           180         one gossip item at its field caps, packed
 GOSSIP_MAX_ITEMS                derived     items that fit the header with every bucket list full
 GOSSIP_MAX_MESSAGE_BYTES        derived     a gossip_view request or reply (the header + prefix)
 MAX_PROBE_BYTES                 16 MiB      a bandwidth probe's payload, either direction
@@ -95,7 +95,7 @@ GOSSIP_MAX_ITEMS = (
     - GOSSIP_MAX_BUCKETS * (_BUCKET_DIGEST_BYTES + _BUCKET_INDEX_BYTES)
 ) // GOSSIP_ITEM_MAX_BYTES
 """Items one gossip message may carry: what fits the header once every bucket list is at its cap
-(~980). A view diff larger than that (a swarm of thousands meeting for the first time) takes more
+(999). A view diff larger than that (a swarm of thousands meeting for the first time) takes more
 than one exchange."""
 
 GOSSIP_MAX_MESSAGE_BYTES = MAX_HEADER_BYTES + 64
