@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 
-from ravnest_p2p.averaging.frames import ByteReader, ByteWriter
+from ravnest_p2p.averaging.frames import ByteReader, ByteWriter, write_error
 from ravnest_p2p.errors import PeerUnreachable
 from ravnest_p2p.transport import FakeNetwork, P2PTransport
 from ravnest_p2p.transport.priority import TrafficGate
@@ -98,7 +98,11 @@ class P2PStreams:
         ) -> None:
             await handler(remote, reader, writer)
 
-        await self._transport.add_stream_handler(name, on_stream)
+        async def refuse(writer: asyncio.StreamWriter, reason: str) -> None:
+            write_error(writer, "busy", reason)  # in the ring's framing: the sender's ack reader parses it
+            await writer.drain()
+
+        await self._transport.add_stream_handler(name, on_stream, refuse=refuse)
 
     async def unserve(self, name: str) -> None:
         await self._transport.remove_stream_handler(name)

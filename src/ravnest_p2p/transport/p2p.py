@@ -285,14 +285,22 @@ class P2PTransport:
         self,
         name: str,
         handler: Callable[[str, asyncio.StreamReader, asyncio.StreamWriter, Lease], Awaitable[None]],
+        *,
+        refuse: Callable[[asyncio.StreamWriter, str], Awaitable[None]] | None = None,
     ) -> None:
         """Serve raw streams under `name`: each inbound stream takes a slot of its sender's budget.
 
-        Over budget, the stream gets a ``busy`` error frame and is closed unread. `handler` gets the
+        Over budget, the stream is closed unread after `refuse(writer, reason)` (default: a ``busy``
+        error envelope in a frame) tells the sender why in the stream's own framing. `handler` gets the
         stream's `Lease` (to reserve the bytes it will hold) and must bound its own reads in time; the
         writer is closed and the lease released when it returns.
         """
         budget = self.budget
+
+        async def default_refuse(writer: asyncio.StreamWriter, reason: str) -> None:
+            await _reply_error(writer, "busy", reason)
+
+        refusal = refuse or default_refuse
 
         async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             remote = info.peer_id.to_base58()
@@ -300,7 +308,9 @@ class P2PTransport:
                 lease = budget.admit(remote)
                 if lease is None:
                     logger.debug("refused a %s stream from %s: over budget", name, remote)
-                    await _reply_error(writer, "busy", f"too many streams from {remote}")
+                    with contextlib.suppress(TimeoutError, ConnectionError):
+                        async with asyncio.timeout(_REPLY_TIMEOUT_S):
+                            await refusal(writer, f"too many streams from {remote}")
                     return
                 with lease:
                     await handler(remote, reader, writer, lease)
