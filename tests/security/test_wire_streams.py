@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from ravnest_p2p.averaging import RingAllReduce, RingConfig
-from ravnest_p2p.measurement.network import PING, NetworkMeter, PingRequest
+from ravnest_p2p.errors import PeerUnreachable
+from ravnest_p2p.measurement.network import PING, PROBE, NetworkMeter, PingRequest, ProbeRequest
 from ravnest_p2p.membership.gossip import Gossiper
 from ravnest_p2p.membership.view import MembershipView
 from ravnest_p2p.runtime.messages import MAX_ACTIVATION_BYTES
@@ -276,3 +277,30 @@ async def test_a_ping_is_answered_within_a_second_under_a_flood(hostile):
         assert svc[1].executor.in_flight == ()
         assert svc[1].executor.weight_version == 0
         assert torch.is_grad_enabled()
+
+
+async def test_a_hostile_server_cannot_hold_a_caller_with_an_announced_reply(hostile):
+    """The caller side: a reply announcing 16 MiB that stalls after 8 bytes costs nothing, ends idle."""
+    hostile.surface = "stream:probe"
+    async with hosts(2, limits=[WireLimits(idle_timeout_s=1.0)]) as (caller, server):
+
+        async def stall(info, reader, writer) -> None:
+            length = int.from_bytes(await reader.readexactly(8), "big")
+            await reader.readexactly(length)
+            writer.write(FRAME_LEN.pack(MAX_PROBE_BYTES + 1000) + b"12345678")
+            await writer.drain()
+            await asyncio.sleep(30)
+
+        await server.p2p.add_binary_stream_handler(_stream("probe_bandwidth"), stall)
+        rpc = RpcEndpoint(caller, NS)
+        rss_before = rss_bytes()
+        for _ in range(4):
+            hostile.sent += 1
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(PeerUnreachable, match="idle"):
+                await rpc.call(server.peer_id, PROBE, ProbeRequest(download_bytes=1 << 20), timeout_s=20)
+            assert asyncio.get_running_loop().time() - started < 10
+            hostile.refused += 1
+        growth = rss_bytes() - rss_before
+        hostile.peak_rss_growth_bytes = max(hostile.peak_rss_growth_bytes, growth)
+        assert growth < 4 * MIB
