@@ -195,7 +195,7 @@ async def test_slowloris_of_100_streams_keeps_rss_bounded_and_pings_fast(hostile
             writer.write(FRAME_LEN.pack(sizes[method]))
             writers.append(writer)
             hostile.sent += 1
-        trickles = [asyncio.create_task(_trickle(w, 4.0, rng)) for w in writers]
+        trickles = [asyncio.create_task(_trickle(w, 3.0, rng)) for w in writers]
         peak, latencies = 0, []
         try:
             while not all(t.done() for t in trickles):
