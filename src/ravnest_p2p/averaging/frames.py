@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from ravnest_p2p.averaging.messages import StreamHello
 from ravnest_p2p.errors import InvalidMessage, PayloadTooLarge
 from ravnest_p2p.transport import Compression, decode_tensor, encode_tensor
+from ravnest_p2p.transport.limits import MAX_RING_HELLO_BYTES
 
 __all__ = [
     "CODEC_IDS",
@@ -59,7 +60,7 @@ _HELLO = struct.Struct("!2sH")
 _PART = struct.Struct("!2sBBIIII")
 _ACK = struct.Struct("!2sBI")
 _VERSION = 1
-MAX_HELLO_BYTES = 4096
+MAX_HELLO_BYTES = MAX_RING_HELLO_BYTES
 _MAX_ERROR_BYTES = 4096
 _READ_CHUNK_BYTES = 1 << 20
 # lossy codecs other than fp16 go through hivemind's protobuf (stats + quantized bytes): allow its overhead

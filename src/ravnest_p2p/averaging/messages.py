@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Annotated
+
+from pydantic import Field, StringConstraints
 
 from ravnest_p2p.transport import RpcMethod
 from ravnest_p2p.types import WireModel
@@ -43,7 +45,10 @@ class StatusReply(WireModel):
     alive: bool
     attempt: int = Field(ge=0, le=1000)
     done: bool = False
-    members: list[str] = Field(default_factory=list, max_length=1024)
+    # bounded so that a maximal reply fits its envelope (tests/unit/foundation/test_limits.py)
+    members: list[Annotated[str, StringConstraints(max_length=128)]] = Field(
+        default_factory=list, max_length=1024
+    )
 
 
 # Parts travel over the ring's own streams (`frames.py`, `streams.py`); only the probe is an RPC.

@@ -66,6 +66,7 @@ than the step deadline is dropped only after its attempt fails `max_attempts` ti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -73,9 +74,11 @@ from collections.abc import Mapping
 import torch
 
 from ravnest_p2p.averaging.base import RingConfig, RingMetrics, RoundMetrics, flatten_shard, split_shard
+from ravnest_p2p.averaging.early import AllowEarly, EarlySlots
 from ravnest_p2p.averaging.frames import ByteReader, ByteWriter, read_hello
 from ravnest_p2p.averaging.messages import RING_STATUS, StatusReply, StatusRequest, StreamHello
 from ravnest_p2p.averaging.partstream import AttemptFailed, receive_attempt, refuse, send_attempt
+from ravnest_p2p.averaging.reform import reform
 from ravnest_p2p.averaging.session import LinkRates, RingRefused, RingSession
 from ravnest_p2p.averaging.shards import Shard, ShardMap
 from ravnest_p2p.averaging.streams import P2PStreams, Streams
@@ -97,10 +100,17 @@ class RingAllReduce:
         config: deadlines, part size, compression.
         streams: where part streams are opened and served; by default the daemon of the endpoint's
             `P2PTransport` (pass a `MemoryStreamHub`'s streams with a fake transport).
+        allow_early: who may wait for a ring this member does not know yet (see `early.py`); rings it
+            knows (`expect`, or its last round's map) admit their members only.
     """
 
     def __init__(
-        self, endpoint: RpcEndpoint, config: RingConfig | None = None, *, streams: Streams | None = None
+        self,
+        endpoint: RpcEndpoint,
+        config: RingConfig | None = None,
+        *,
+        streams: Streams | None = None,
+        allow_early: AllowEarly | None = None,
     ) -> None:
         if streams is None:
             if not isinstance(endpoint.transport, P2PTransport):
@@ -112,7 +122,7 @@ class RingAllReduce:
         self._stream_name = f"ravnest/{endpoint.namespace}/ring_parts"
         self._sessions: dict[str, RingSession] = {}
         self._changed = asyncio.Event()
-        self._waiting_streams = 0
+        self.early = EarlySlots(self.config.max_buffered_messages, allow_early)
         self._serving = False
 
     @property
@@ -136,6 +146,10 @@ class RingAllReduce:
         for session in self._sessions.values():
             session.stop_attempt()
         self._notify()
+
+    def expect(self, shard_map: ShardMap) -> None:
+        """Admit early streams of `shard_map`'s rings from their members only (call before a round)."""
+        self.early.expect(shard_map)
 
     async def __aenter__(self) -> RingAllReduce:
         await self.start()
@@ -172,6 +186,7 @@ class RingAllReduce:
             ValueError: a name of one of my shards is missing or has the wrong size.
         """
         started = time.monotonic()
+        self.early.expect(shard_map)
         rates = link_rates if self.config.weighted_chunks else None
         shards = shard_map.shards_of(self.peer_id)
         for shard in shards:
@@ -304,34 +319,7 @@ class RingAllReduce:
 
     async def _reform(self, session: RingSession, deadline: float) -> tuple[int, tuple[str, ...] | None]:
         """After a failed attempt: probe the members; return the next (attempt, members) or None."""
-        failed = session.attempt
-        others = [m for m in session.members if m != self.peer_id]
-        request = StatusRequest(
-            ring_id=session.ring_id, epoch=session.epoch, round=session.round, failed_attempt=failed
-        )
-        timeout_s = max(0.01, min(self.config.probe_timeout_s, deadline - time.monotonic()))
-        replies = await asyncio.gather(
-            *(self.endpoint.call(m, RING_STATUS, request, timeout_s=timeout_s) for m in others),
-            return_exceptions=True,
-        )
-        alive: set[str] = {self.peer_id}
-        ahead: StatusReply | None = None
-        for member, reply in zip(others, replies, strict=True):
-            if isinstance(reply, asyncio.CancelledError):
-                raise reply
-            if isinstance(reply, BaseException):
-                logger.debug("probe of %s failed: %r", member, reply)
-                continue
-            status = reply.message
-            if status.alive and not status.done:
-                alive.add(member)
-                if status.attempt > failed and (ahead is None or status.attempt > ahead.attempt):
-                    ahead = status
-        if ahead is not None:
-            if self.peer_id not in ahead.members:
-                return ahead.attempt, None
-            return ahead.attempt, tuple(ahead.members)
-        return failed + 1, tuple(m for m in session.members if m in alive)
+        return await reform(self.endpoint, session, self.config, deadline)
 
     # ----- serving -------------------------------------------------------------------------------
     def _notify(self) -> None:
@@ -358,38 +346,39 @@ class RingAllReduce:
     async def _session_for(self, hello: StreamHello, sender: str) -> RingSession:
         """The running session `hello` belongs to, waiting (bounded) if this member is not there yet."""
         deadline = time.monotonic() + self.config.step_timeout_s
-        while True:
-            changed = self._changed
-            session = self._sessions.get(hello.ring_id)
-            if session is not None and session.round == hello.round:
-                if session.attempt == hello.attempt and session.running:
-                    return session
-                if (
-                    hello.attempt < session.attempt
-                    or session.done
-                    or (hello.attempt == session.attempt and not session.running)
-                ):
-                    raise RingRefused("stale_attempt", f"{hello.ring_id}: attempt {hello.attempt} is over")
-                if session.running and sender in session.members:  # a member is ahead: mine failed
-                    session.stop_attempt()
-                    self._notify()
-                    changed = self._changed
-            elif session is not None and session.round > hello.round:
-                raise RingRefused("stale_round", f"{hello.ring_id}: round {hello.round} is over")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RingRefused("not_ready", f"{hello.ring_id}: round {hello.round} not reached in time")
-            if self._waiting_streams >= self.config.max_buffered_messages:
-                raise RingRefused("busy", "too many early streams waiting")
-            # an early stream waits unread: its bytes stay in the sender's and the daemons' buffers
-            self._waiting_streams += 1
-            try:
-                async with asyncio.timeout(remaining):
-                    await changed.wait()
-            except TimeoutError:
-                pass
-            finally:
-                self._waiting_streams -= 1
+        with contextlib.ExitStack() as slot:
+            holding = False
+            while True:
+                changed = self._changed
+                session = self._sessions.get(hello.ring_id)
+                if session is not None and session.round == hello.round:
+                    if session.attempt == hello.attempt and session.running:
+                        return session
+                    if (
+                        hello.attempt < session.attempt
+                        or session.done
+                        or (hello.attempt == session.attempt and not session.running)
+                    ):
+                        raise RingRefused(
+                            "stale_attempt", f"{hello.ring_id}: attempt {hello.attempt} is over"
+                        )
+                    if session.running and sender in session.members:  # a member is ahead: mine failed
+                        session.stop_attempt()
+                        self._notify()
+                        changed = self._changed
+                elif session is not None and session.round > hello.round:
+                    raise RingRefused("stale_round", f"{hello.ring_id}: round {hello.round} is over")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RingRefused(
+                        "not_ready", f"{hello.ring_id}: round {hello.round} not reached in time"
+                    )
+                if not holding:  # an early stream waits unread: the sender's bytes stay queued
+                    slot.enter_context(self.early.hold(hello.ring_id, sender))
+                    holding = True
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(remaining):
+                        await changed.wait()
 
     async def _on_status(
         self, req: StatusRequest, tensors: list[torch.Tensor], ctx: CallContext

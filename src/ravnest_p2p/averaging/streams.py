@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 
-from ravnest_p2p.averaging.frames import ByteReader, ByteWriter
+from ravnest_p2p.averaging.frames import ByteReader, ByteWriter, write_error
 from ravnest_p2p.errors import PeerUnreachable
 from ravnest_p2p.transport import FakeNetwork, P2PTransport
 from ravnest_p2p.transport.priority import TrafficGate
@@ -91,14 +91,21 @@ class P2PStreams:
         self._transport = transport
 
     async def serve(self, name: str, handler: StreamHandler) -> None:
-        async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await handler(info.peer_id.to_base58(), reader, writer)
+        # each stream takes a slot of its sender's inbound budget (`transport/budget.py`): over it, the
+        # stream is refused before its hello is read
+        async def on_stream(
+            remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, lease: Any
+        ) -> None:
+            await handler(remote, reader, writer)
 
-        await self._transport.p2p.add_binary_stream_handler(name, on_stream)
+        async def refuse(writer: asyncio.StreamWriter, reason: str) -> None:
+            write_error(writer, "busy", reason)  # in the ring's framing: the sender's ack reader parses it
+            await writer.drain()
+
+        await self._transport.add_stream_handler(name, on_stream, refuse=refuse)
 
     async def unserve(self, name: str) -> None:
-        with contextlib.suppress(P2PDaemonError):
-            await self._transport.p2p.remove_binary_stream_handler(name)
+        await self._transport.remove_stream_handler(name)
 
     async def open(self, peer_id: str, name: str) -> tuple[ByteReader, ByteWriter]:
         # The daemon cannot route to a peer it never dialled: dial by the multiaddrs the transport knows.

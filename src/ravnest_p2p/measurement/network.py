@@ -23,13 +23,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ravnest_p2p.errors import InvalidMessage, TransportError
+from ravnest_p2p.transport.limits import MAX_PROBE_BYTES
 from ravnest_p2p.transport.rpc import CallContext, RpcEndpoint, RpcMethod
 
 __all__ = ["LinkEstimate", "NetworkMeter", "ProbeConfig"]
 
 logger = logging.getLogger(__name__)
 
-MAX_PROBE_BYTES = 16 * 2**20
 MAX_REPORTED_MBPS = 100_000.0  # 100 Gbit/s: beyond any volunteer link; records refuse more than 400k
 MAX_LATENCY_SHARE = 0.1  # of a probe transfer's time that may be discounted as the path's round trip
 

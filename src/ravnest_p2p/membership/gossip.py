@@ -33,16 +33,25 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from ravnest_p2p.errors import InvalidMessage, TransportError
 from ravnest_p2p.membership.view import MembershipView, SummaryItem, bucket_of
 from ravnest_p2p.transport import CallContext, RpcEndpoint, RpcMethod
+from ravnest_p2p.transport.limits import (
+    GOSSIP_MAX_BUCKETS,
+    GOSSIP_MAX_ITEMS,
+    GOSSIP_MAX_MESSAGE_BYTES,
+    GOSSIP_PEER_ID_MAX_CHARS,
+)
 
 __all__ = ["GOSSIP_VIEW", "GossipItem", "GossipReply", "GossipRequest", "Gossiper"]
 
 logger = logging.getLogger(__name__)
 
-MAX_BUCKETS = 4096
-MAX_ITEMS = 20_000
+# derived in transport/limits.py so that a message at these caps fits its envelope's header
+MAX_BUCKETS = GOSSIP_MAX_BUCKETS
+MAX_ITEMS = GOSSIP_MAX_ITEMS
 _Hex16 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
 _Hex64 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
-_PeerId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
+_PeerId = Annotated[
+    str, StringConstraints(min_length=1, max_length=GOSSIP_PEER_ID_MAX_CHARS, pattern=r"^[A-Za-z0-9_-]+$")
+]
 
 
 class _Msg(BaseModel):
@@ -81,8 +90,8 @@ GOSSIP_VIEW = RpcMethod(
     "gossip_view",
     GossipRequest,
     GossipReply,
-    max_request_bytes=2 << 20,
-    max_response_bytes=2 << 20,
+    max_request_bytes=GOSSIP_MAX_MESSAGE_BYTES,
+    max_response_bytes=GOSSIP_MAX_MESSAGE_BYTES,
     max_tensors=0,
     handler_timeout_s=5.0,
 )

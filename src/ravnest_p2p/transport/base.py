@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from ravnest_p2p.transport.priority import TrafficGate
+from ravnest_p2p.transport.wire import Buffer
 
 __all__ = ["UNARY_LIMIT_BYTES", "RawHandler", "Transport"]
 
@@ -18,7 +19,7 @@ __all__ = ["UNARY_LIMIT_BYTES", "RawHandler", "Transport"]
 # anything larger.
 UNARY_LIMIT_BYTES = 2 * 1024 * 1024
 
-RawHandler = Callable[[bytes | bytearray, str], Awaitable[bytes]]
+RawHandler = Callable[[Buffer, str], Awaitable[bytes]]
 """Called with (request bytes, caller's peer id); returns reply bytes. Must not raise."""
 
 
@@ -41,7 +42,7 @@ class Transport(Protocol):
         *,
         stream: bool,
         max_response_bytes: int,
-    ) -> bytes | bytearray:
+    ) -> Buffer:
         """Send a request (whole, or as pieces sent without joining them) and return the reply."""
 
     def add_addresses(self, peer_id: str, maddrs: Sequence[str]) -> None:

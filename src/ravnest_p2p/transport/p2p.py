@@ -12,6 +12,12 @@ libp2p's dial backoff refuses every redial: seen on the lab as two ring members 
 together. So a dial first asks the daemon whether a connection (perhaps the other side's) exists, the
 peer with the larger id gives the smaller one `_DIAL_YIELD_S` to dial first, and a failed dial still
 counts as connected when the other side's connection got through.
+
+Inbound bounds (`limits.py`, `budget.py`): every inbound stream and unary call takes a slot of its
+sender's budget, refused at once (``busy``) when the sender or everyone together holds too much; a
+stream frame reserves its announced length before its body is read and is read as its bytes arrive,
+under a frame deadline and an idle deadline, so a stream that stops sending is closed. Raw stream
+handlers (`add_stream_handler`, the ring's part streams) take the same slots.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from google.protobuf.wrappers_pb2 import BytesValue
@@ -32,11 +38,25 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ravnest_p2p.errors import ConfigError, PayloadTooLarge, PeerUnreachable, TransportError
 from ravnest_p2p.transport.base import UNARY_LIMIT_BYTES, RawHandler
+from ravnest_p2p.transport.budget import InboundBudget, Lease
 from ravnest_p2p.transport.identity import Identity
+from ravnest_p2p.transport.limits import WireLimits
 from ravnest_p2p.transport.priority import TrafficGate
-from ravnest_p2p.transport.wire import error_envelope, frame_size, read_frame, write_frame
+from ravnest_p2p.transport.wire import (
+    Buffer,
+    error_envelope,
+    frame_size,
+    read_frame,
+    read_frame_body,
+    read_frame_length,
+    write_frame,
+)
 
-__all__ = ["HostConfig", "P2PTransport"]
+__all__ = ["HostConfig", "P2PTransport", "RawStreamHandler"]
+
+RawStreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+"""Called with (remote peer id, reader, writer) for an admitted inbound stream; the writer is closed
+after it returns."""
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +64,10 @@ _STREAM_SUFFIX = "/stream"
 _RECONNECT_AFTER_S = 30.0
 _DIAL_YIELD_S = 0.5  # how long the larger peer id waits for the smaller one's dial (simultaneous open)
 _DAEMON_CALL_S = 15.0  # a dial or a peer listing through the daemon's control socket, at most
-_MAX_DISCARD_BYTES = 2**30
+_MAX_DISCARD_BYTES = 1 << 30  # a refused body an honest sender may still be writing (read, never kept)
 _DISCARD_TIMEOUT_S = 10.0
+_DISCARD_IDLE_S = 2.0  # a sender still writing its refused body sends something every moment
+_REPLY_TIMEOUT_S = 10.0  # writing an error reply to a sender that does not read it
 
 
 class HostConfig(BaseModel):
@@ -61,6 +83,7 @@ class HostConfig(BaseModel):
     client_mode: bool = False
     startup_timeout_s: float = Field(default=20.0, gt=0)
     check_identity_free: bool = True
+    limits: WireLimits = WireLimits()
 
 
 def _validate_maddrs(maddrs: Sequence[str], what: str) -> list[Multiaddr]:
@@ -85,18 +108,27 @@ async def _discard(reader: asyncio.StreamReader, size_bytes: int) -> None:
         async with asyncio.timeout(_DISCARD_TIMEOUT_S):
             remaining = size_bytes
             while remaining > 0:
-                chunk = await reader.read(min(remaining, 1 << 20))
+                async with asyncio.timeout(_DISCARD_IDLE_S):
+                    chunk = await reader.read(min(remaining, 1 << 20))
                 if not chunk:
                     return
                 remaining -= len(chunk)
 
 
+async def _reply_error(writer: asyncio.StreamWriter, code: str, message: str) -> None:
+    with contextlib.suppress(TimeoutError, ConnectionError):
+        async with asyncio.timeout(_REPLY_TIMEOUT_S):
+            await write_frame(writer, error_envelope(code, message))
+
+
 class P2PTransport:
     """A started libp2p host plus the raw request/response handlers registered on it."""
 
-    def __init__(self, p2p: P2P, identity: Identity) -> None:
+    def __init__(self, p2p: P2P, identity: Identity, limits: WireLimits | None = None) -> None:
         self._p2p = p2p
         self.identity = identity
+        self.limits = limits or WireLimits()
+        self.budget = InboundBudget(self.limits)
         self._addresses: dict[str, list[Multiaddr]] = {}
         self._connected_at: dict[str, float] = {}
         self._dial_locks: dict[str, asyncio.Lock] = {}
@@ -120,7 +152,7 @@ class P2PTransport:
         if p2p.peer_id.to_base58() != identity.peer_id:
             await p2p.shutdown()
             raise TransportError("p2p daemon started with a different identity than the one loaded")
-        return cls(p2p, identity)
+        return cls(p2p, identity, config.limits)
 
     @staticmethod
     async def _start(
@@ -206,29 +238,90 @@ class P2PTransport:
             await asyncio.sleep(0.05)
 
     async def add_handler(self, name: str, handler: RawHandler, *, max_request_bytes: int) -> None:
+        budget = self.budget
+
         async def unary(request: BytesValue, context: P2PContext) -> BytesValue:
             remote = context.remote_id.to_base58()
-            if len(request.value) > max_request_bytes:
-                return BytesValue(value=error_envelope("payload_too_large", f"{len(request.value)} bytes"))
-            return BytesValue(value=await handler(request.value, remote))
+            size = len(request.value)
+            if size > max_request_bytes:
+                return BytesValue(value=error_envelope("payload_too_large", f"{size} bytes"))
+            lease = budget.admit(remote, size)
+            if lease is None:
+                return BytesValue(
+                    value=error_envelope("busy", f"too many requests from {remote} in progress")
+                )
+            with lease:
+                return BytesValue(value=await handler(request.value, remote))
 
-        async def stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async def stream(
+            remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, lease: Lease
+        ) -> None:
+            limits = self.limits
+            try:
+                length = await read_frame_length(reader, timeout_s=limits.idle_timeout_s)
+                if length > max_request_bytes:
+                    await _reply_error(
+                        writer, "payload_too_large", f"frame of {length} bytes exceeds {max_request_bytes}"
+                    )
+                    await _discard(reader, length)
+                    return
+                if not lease.reserve(length):
+                    await _reply_error(writer, "busy", f"no room for {length} more bytes from {remote}")
+                    return
+                data = await read_frame_body(reader, length, limits=limits)
+                reply = await handler(data, remote)
+                del data
+                if not lease.reserve(len(reply)):  # a reply waiting for a slow reader is held for it
+                    reply = error_envelope("busy", f"no room for a reply of {len(reply)} bytes to {remote}")
+                async with asyncio.timeout(limits.frame_timeout_s(len(reply))):
+                    await write_frame(writer, reply)
+            except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+                logger.debug("stream %s from %s broke: %r", name, remote, exc)
+
+        await self._p2p.add_protobuf_handler(name, unary, BytesValue)
+        await self.add_stream_handler(name + _STREAM_SUFFIX, stream)
+
+    async def add_stream_handler(
+        self,
+        name: str,
+        handler: Callable[[str, asyncio.StreamReader, asyncio.StreamWriter, Lease], Awaitable[None]],
+        *,
+        refuse: Callable[[asyncio.StreamWriter, str], Awaitable[None]] | None = None,
+    ) -> None:
+        """Serve raw streams under `name`: each inbound stream takes a slot of its sender's budget.
+
+        Over budget, the stream is closed unread after `refuse(writer, reason)` (default: a ``busy``
+        error envelope in a frame) tells the sender why in the stream's own framing. `handler` gets the
+        stream's `Lease` (to reserve the bytes it will hold) and must bound its own reads in time; the
+        writer is closed and the lease released when it returns.
+        """
+        budget = self.budget
+
+        async def default_refuse(writer: asyncio.StreamWriter, reason: str) -> None:
+            await _reply_error(writer, "busy", reason)
+
+        refusal = refuse or default_refuse
+
+        async def on_stream(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             remote = info.peer_id.to_base58()
             try:
-                try:
-                    data = await read_frame(reader, max_bytes=max_request_bytes)
-                except PayloadTooLarge as exc:
-                    await write_frame(writer, error_envelope("payload_too_large", str(exc)))
-                    await _discard(reader, exc.size_bytes)
+                lease = budget.admit(remote)
+                if lease is None:
+                    logger.debug("refused a %s stream from %s: over budget", name, remote)
+                    with contextlib.suppress(TimeoutError, ConnectionError):
+                        async with asyncio.timeout(_REPLY_TIMEOUT_S):
+                            await refusal(writer, f"too many streams from {remote}")
                     return
-                await write_frame(writer, await handler(data, remote))
-            except (asyncio.IncompleteReadError, ConnectionError) as exc:
-                logger.debug("stream %s from %s broke: %r", name, remote, exc)
+                with lease:
+                    await handler(remote, reader, writer, lease)
             finally:
                 writer.close()
 
-        await self._p2p.add_protobuf_handler(name, unary, BytesValue)
-        await self._p2p.add_binary_stream_handler(name + _STREAM_SUFFIX, stream)
+        await self._p2p.add_binary_stream_handler(name, on_stream)
+
+    async def remove_stream_handler(self, name: str) -> None:
+        with contextlib.suppress(P2PDaemonError):
+            await self._p2p.remove_binary_stream_handler(name)
 
     async def remove_handler(self, name: str) -> None:
         with contextlib.suppress(P2PDaemonError):
@@ -244,7 +337,7 @@ class P2PTransport:
         *,
         stream: bool,
         max_response_bytes: int,
-    ) -> bytes | bytearray:
+    ) -> Buffer:
         await self.ensure_connected(peer_id)
         try:
             remote = PeerID.from_base58(peer_id)
@@ -264,10 +357,18 @@ class P2PTransport:
                 with contextlib.suppress(ConnectionError):
                     # if the server refused early (oversized), its error reply is still readable below
                     await write_frame(writer, data)
-                return await read_frame(reader, max_bytes=max_response_bytes)
+                # the reply's first byte waits for the remote handler (the caller's deadline bounds
+                # that); once it starts, it arrives under the frame and idle deadlines
+                return await read_frame(reader, max_bytes=max_response_bytes, limits=self.limits)
             finally:
                 writer.close()
-        except (P2PDaemonError, P2PHandlerError, ConnectionError, asyncio.IncompleteReadError) as exc:
+        except (
+            P2PDaemonError,
+            P2PHandlerError,
+            ConnectionError,
+            asyncio.IncompleteReadError,
+            TimeoutError,
+        ) as exc:
             self._connected_at.pop(peer_id, None)
             raise PeerUnreachable(f"call {name} to {peer_id} failed: {type(exc).__name__}: {exc}") from None
 

@@ -92,6 +92,8 @@ class RpcEndpoint:
         self.transport = transport
         self.namespace = namespace
         self.compression = compression
+        self.served: dict[str, RpcMethod[Any, Any]] = {}
+        """The methods this endpoint serves, by name (what a peer exposes to anyone who dials it)."""
 
     @property
     def peer_id(self) -> str:
@@ -101,7 +103,7 @@ class RpcEndpoint:
         return f"ravnest/{self.namespace}/{method.name}"
 
     async def serve(self, method: RpcMethod[ReqT, RespT], handler: Handler) -> None:
-        async def raw(data: bytes | bytearray, remote_peer_id: str) -> bytes:
+        async def raw(data: Buffer, remote_peer_id: str) -> bytes:
             context = CallContext(remote_peer_id=remote_peer_id, method=method.name)
             try:
                 envelope = decode_envelope(data, max_bytes=method.max_request_bytes)
@@ -134,8 +136,10 @@ class RpcEndpoint:
         await self.transport.add_handler(
             self._qualified(method), raw, max_request_bytes=method.max_request_bytes
         )
+        self.served[method.name] = method
 
     async def unserve(self, method: RpcMethod[Any, Any]) -> None:
+        self.served.pop(method.name, None)
         await self.transport.remove_handler(self._qualified(method))
 
     async def call(

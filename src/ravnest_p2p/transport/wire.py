@@ -5,6 +5,13 @@ Envelope: ``b"RV1" | u32 header length | msgpack header | blobs``. The header is
 Blobs are tensors encoded by `codec.encode_tensor`. Frame (stream transport only): ``u64 length | bytes``;
 the receiver checks the length against its limit *before* reading the body, so an oversized payload
 costs it nothing.
+
+A frame's body is read as its bytes arrive, into a buffer that grows with them (at most `_GROWTH` times
+what arrived, never the announced length up front: eight bytes announcing 256 MiB cost 64 KiB), under a
+deadline for the whole frame (`WireLimits.frame_timeout_s`) and an idle deadline (no byte for
+`WireLimits.idle_timeout_s`). The buffer is uninitialised memory (`numpy.empty`): pages the sender never
+filled are never touched, and the body is copied once from the stream into it, as before; growth copies
+what arrived so far (a third of the frame in all, for a large one).
 """
 
 from __future__ import annotations
@@ -16,8 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from ravnest_p2p.errors import InvalidMessage, PayloadTooLarge
+from ravnest_p2p.transport.limits import KIB, MAX_HEADER_BYTES, WireLimits
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -28,15 +37,19 @@ __all__ = [
     "error_envelope",
     "frame_size",
     "read_frame",
+    "read_frame_body",
+    "read_frame_length",
     "write_frame",
 ]
 
 _MAGIC = b"RV1"
 _HEADER_LEN = struct.Struct("!I")
 _FRAME_LEN = struct.Struct("!Q")
-MAX_HEADER_BYTES = 256 * 1024
 _WRITE_CHUNK_BYTES = 1 << 20
 _READ_CHUNK_BYTES = 4 << 20
+_FIRST_ALLOC_BYTES = 64 * KIB  # a frame's first buffer; it grows by `_GROWTH` as bytes arrive
+_GROWTH = 4
+_DEFAULT_LIMITS = WireLimits()
 
 
 @dataclass(frozen=True)
@@ -71,7 +84,7 @@ def error_envelope(code: str, message: str) -> bytes:
     return encode_envelope({"kind": "error", "code": code, "message": message[:2000]})
 
 
-def decode_envelope(data: bytes | bytearray, *, max_bytes: int) -> Envelope:
+def decode_envelope(data: Buffer, *, max_bytes: int) -> Envelope:
     """Parse an envelope, refusing anything malformed or larger than `max_bytes`."""
     if len(data) > max_bytes:
         raise PayloadTooLarge(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
@@ -125,22 +138,83 @@ async def write_frame(writer: asyncio.StreamWriter, data: Buffer | Sequence[Buff
     await writer.drain()
 
 
-async def read_frame(reader: asyncio.StreamReader, *, max_bytes: int) -> bytearray:
+async def read_frame_length(reader: asyncio.StreamReader, *, timeout_s: float | None) -> int:
+    """The next frame's announced length (not yet checked), waiting at most `timeout_s` (None: forever).
+
+    Raises:
+        TimeoutError: no complete length in time.
+        asyncio.IncompleteReadError: the stream ended.
+    """
+    async with asyncio.timeout(timeout_s):
+        (length,) = _FRAME_LEN.unpack(await reader.readexactly(_FRAME_LEN.size))
+    return int(length)
+
+
+async def read_frame_body(
+    reader: asyncio.StreamReader, length: int, *, limits: WireLimits = _DEFAULT_LIMITS
+) -> memoryview:
+    """Read a frame's `length` body bytes as they arrive; the caller owns the returned buffer.
+
+    The buffer grows with the bytes received (at most `_GROWTH` times them), so memory follows what the
+    sender sent, not what it announced. The whole frame has `limits.frame_timeout_s(length)`; the
+    stream may go `limits.idle_timeout_s` without a byte (checked to within an eighth of it: the timer
+    is moved at most eight times per idle period, not at every read).
+
+    Raises:
+        TimeoutError: the frame's deadline or the idle deadline passed.
+        asyncio.IncompleteReadError: the stream ended first.
+    """
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    frame_deadline = start + limits.frame_timeout_s(length)
+    idle_s = limits.idle_timeout_s
+    buffer = np.empty(min(length, _FIRST_ALLOC_BYTES), dtype=np.uint8)
+    view = memoryview(buffer)  # type: ignore[arg-type]  # an ndarray is a buffer
+    received = 0
+    moved = start
+    try:
+        async with asyncio.timeout_at(min(frame_deadline, start + idle_s)) as timer:
+            while received < length:
+                if received == len(view):
+                    grown = np.empty(min(length, received * _GROWTH), dtype=np.uint8)
+                    grown[:received] = buffer[:received]
+                    buffer, view = grown, memoryview(grown)  # type: ignore[arg-type]
+                chunk = await reader.read(min(len(view) - received, _READ_CHUNK_BYTES))
+                if not chunk:
+                    raise asyncio.IncompleteReadError(b"", length)
+                view[received : received + len(chunk)] = chunk
+                received += len(chunk)
+                now = loop.time()
+                if now - moved > idle_s / 8:
+                    moved = now
+                    timer.reschedule(min(frame_deadline, now + idle_s))
+    except TimeoutError:
+        what = "frame deadline" if loop.time() >= frame_deadline else f"idle {idle_s:.1f}s"
+        raise TimeoutError(f"{what}: {received} of {length} frame bytes arrived") from None
+    return view
+
+
+async def read_frame(
+    reader: asyncio.StreamReader,
+    *,
+    max_bytes: int,
+    limits: WireLimits = _DEFAULT_LIMITS,
+    first_byte_timeout_s: float | None = None,
+) -> memoryview:
     """Read one frame; refuse (without reading the body) if it announces more than `max_bytes`.
 
-    The body goes into a buffer of its final size, which the caller owns (decoded tensors may keep using
-    it), instead of `readexactly`'s growing buffer and the copy it returns.
+    Args:
+        reader: the stream.
+        max_bytes: the largest body accepted.
+        limits: the frame and idle deadlines of the body (`read_frame_body`).
+        first_byte_timeout_s: how long to wait for the frame to start (None: the caller's deadline;
+            a caller awaiting a reply waits for the remote handler, a server for a request does not).
+
+    Raises:
+        PayloadTooLarge: the announced length exceeds `max_bytes` (nothing of the body was read).
+        TimeoutError, asyncio.IncompleteReadError: see `read_frame_body`.
     """
-    (length,) = _FRAME_LEN.unpack(await reader.readexactly(_FRAME_LEN.size))
+    length = await read_frame_length(reader, timeout_s=first_byte_timeout_s)
     if length > max_bytes:
         raise PayloadTooLarge(f"frame of {length} bytes exceeds the limit of {max_bytes}", size_bytes=length)
-    body = bytearray(length)
-    view = memoryview(body)
-    received = 0
-    while received < length:
-        chunk = await reader.read(min(length - received, _READ_CHUNK_BYTES))
-        if not chunk:
-            raise asyncio.IncompleteReadError(bytes(view[:received]), length)
-        view[received : received + len(chunk)] = chunk
-        received += len(chunk)
-    return body
+    return await read_frame_body(reader, length, limits=limits)

@@ -74,6 +74,6 @@ async def test_oversized_and_malformed_payloads_get_error_replies_and_server_kee
             b"RV1" + b"\xff" * 20,
         ):
             reply = await a.call(b.peer_id, "ravnest/t/echo", junk, stream=stream, max_response_bytes=1 << 20)
-            assert b"invalid_message" in reply
+            assert b"invalid_message" in bytes(reply)
     assert seen == []
     assert (await client.call(b.peer_id, ECHO, Req(n=5), timeout_s=10)).message.n == 5
