@@ -33,7 +33,9 @@ def test_i_plain_perm_sketch_has_no_expected_descent_on_the_2x2_example(a, b, c)
     w_bar = descent_matrix(problem, sketch)
     # Perm-1 with d = n deals every coordinate, so W̄ is the same for every permutation: the expectation
     for other in range(1, 5):
-        np.testing.assert_allclose(descent_matrix(problem, perm_sketch(problem, np.random.default_rng(other))), w_bar)
+        np.testing.assert_allclose(
+            descent_matrix(problem, perm_sketch(problem, np.random.default_rng(other))), w_bar
+        )
     np.testing.assert_allclose(np.linalg.det(w_bar), 4 * a * a * b * b - c * c * (a + b) ** 2)
     eigvals, eigvecs = np.linalg.eigh(w_bar)
     assert eigvals[0] < 0
@@ -81,7 +83,9 @@ def test_iii_general_case_plateaus_at_the_closed_form_fixed_point_even_with_step
     assert bias > 0.1 * np.linalg.norm(x_star)  # x^∞ ≠ x*
     x0 = np.zeros(n)
     constant = run_ist(problem, x0, sketch=scaled_sketch, step_size=0.5, num_rounds=1000, seed=9)
-    decayed = run_ist(problem, x0, sketch=scaled_sketch, step_size=lambda k: 1 / (k + 1), num_rounds=3000, seed=9)
+    decayed = run_ist(
+        problem, x0, sketch=scaled_sketch, step_size=lambda k: 1 / (k + 1), num_rounds=3000, seed=9
+    )
     # constant step: the iterates fluctuate around x^∞ (their mean is x^∞); decay kills the noise ...
     assert np.linalg.norm(constant.x[100:].mean(axis=0) - x_inf) < 0.35 * bias
     assert np.linalg.norm(decayed.x[-1] - x_inf) < 0.25 * bias
