@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -111,11 +112,12 @@ def _view(layers: Sequence[nn.Module]) -> tuple[list[_Hidden], nn.Linear]:
     """Find the Linear+BatchNorm of each hidden layer and the head of a `wide_mlp`-shaped model."""
     if len(layers) < 2:
         raise ValueError("IST needs at least one hidden layer and a head")
-    hidden = []
+    hidden: list[_Hidden] = []
     for i, layer in enumerate(layers[:-1]):
         linear = _only(layer, nn.Linear, f"layer {i}")
         norm = _only(layer, nn.BatchNorm1d, f"layer {i}")
-        assert isinstance(linear, nn.Linear) and isinstance(norm, nn.BatchNorm1d)
+        assert isinstance(linear, nn.Linear)
+        assert isinstance(norm, nn.BatchNorm1d)
         if norm.num_features != linear.out_features or not norm.affine or not norm.track_running_stats:
             raise ValueError(f"layer {i}: expected an affine, tracking BatchNorm1d over the Linear's outputs")
         if hidden and linear.in_features != hidden[-1].linear.out_features:
@@ -210,7 +212,8 @@ def extract_subnetwork(
             norm = nn.BatchNorm1d(len(rows), eps=src.eps, momentum=src.momentum)
             for name in ("weight", "bias", "running_mean", "running_var"):
                 getattr(norm, name).copy_(getattr(src, name)[rows])
-            assert norm.num_batches_tracked is not None and src.num_batches_tracked is not None
+            assert norm.num_batches_tracked is not None
+            assert src.num_batches_tracked is not None
             norm.num_batches_tracked.copy_(src.num_batches_tracked)
             first: list[nn.Module] = [nn.Flatten()] if prev is None else [_Scale(factor)]
             out.append(nn.Sequential(*first, linear, norm, nn.ReLU()))
@@ -226,7 +229,7 @@ def extract_subnetwork(
 
 
 def _shared_mean(values: Sequence[Tensor]) -> Tensor:
-    """Mean anchored at the first value: x0 + mean(x_i − x0), so n equal copies give x0 bit for bit."""
+    """Mean anchored at the first value: x0 + mean(x_i - x0), so n equal copies give x0 bit for bit."""
     anchor = values[0]
     if anchor.is_floating_point():
         return anchor + torch.stack([v - anchor for v in values]).mean(dim=0)
@@ -265,22 +268,22 @@ def write_back(layers: Sequence[nn.Module], deal: IstDeal, subnets: Sequence[Seq
     with torch.no_grad():
         for worker, (sub_hidden, sub_head) in enumerate(views):
             prev: Tensor | None = None
-            for layer, (block, sub) in enumerate(zip(hidden, sub_hidden, strict=True)):
+            for layer, (block, sub_block) in enumerate(zip(hidden, sub_hidden, strict=True)):
                 rows = deal.parts[layer][worker]
                 if prev is None:
-                    block.linear.weight[rows] = sub.linear.weight
+                    block.linear.weight[rows] = sub_block.linear.weight
                 else:
-                    block.linear.weight[rows.unsqueeze(1), prev.unsqueeze(0)] = sub.linear.weight
-                if block.linear.bias is not None and sub.linear.bias is not None:
-                    block.linear.bias[rows] = sub.linear.bias
+                    block.linear.weight[rows.unsqueeze(1), prev.unsqueeze(0)] = sub_block.linear.weight
+                if block.linear.bias is not None and sub_block.linear.bias is not None:
+                    block.linear.bias[rows] = sub_block.linear.bias
                 for name in ("weight", "bias", "running_mean", "running_var"):
-                    getattr(block.norm, name)[rows] = getattr(sub.norm, name)
+                    getattr(block.norm, name)[rows] = getattr(sub_block.norm, name)
                 prev = rows
             assert prev is not None
             head.weight[:, prev] = sub_head.weight
         for layer, block in enumerate(hidden):
             counters = [sub_hidden[layer].norm.num_batches_tracked for sub_hidden, _ in views]
-            assert block.norm.num_batches_tracked is not None and all(c is not None for c in counters)
+            assert block.norm.num_batches_tracked is not None
             block.norm.num_batches_tracked.copy_(_shared_mean([c for c in counters if c is not None]))
         if head.bias is not None:
             head.bias.copy_(_shared_mean([h.bias for _, h in views if h.bias is not None]))
@@ -331,7 +334,7 @@ def ist_bytes_per_worker(
     if n < 1 or any(h % n for h in sizes) or not sizes:
         raise ValueError(f"widths {tuple(sizes)} must be non-empty multiples of num_workers={n}")
     dealt_full = in_features * sizes[0] + sum(4 * h for h in sizes) + sizes[-1] * out_features
-    middle_full = sum(a * b for a, b in zip(sizes[:-1], sizes[1:], strict=True))
+    middle_full = sum(a * b for a, b in itertools.pairwise(sizes))
     shared = out_features * dtype_bytes + len(sizes) * counter_bytes
     full = (dealt_full + middle_full) * dtype_bytes + shared
     return IstTraffic(

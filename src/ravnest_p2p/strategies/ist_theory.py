@@ -1,3 +1,4 @@
+# ruff: noqa: RUF002, RUF003  (the paper's notation: −, γ, ×, reads better than ASCII here)
 """A quadratic simulator of Independent Subnetwork Training (pure numpy: no torch, no network).
 
 Problem. IST (Yuan et al., arXiv 1910.02120) deals the hidden units of a network to n workers, lets each

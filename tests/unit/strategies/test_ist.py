@@ -105,7 +105,8 @@ def test_train_rule_makes_a_single_worker_subnetwork_match_the_full_model_and_n_
     deal4 = deal_hidden_units(hidden_sizes(layers), 4, round_index=0)
     scaled = extract_subnetwork(layers, deal4, 0, scale_rule=ScaleRule.TRAIN)
     plain = extract_subnetwork(layers, deal4, 0, scale_rule=ScaleRule.TEST)
-    assert scaled[2][0].factor == 4.0 and plain[2][0].factor == 1.0
+    assert scaled[2][0].factor == 4.0
+    assert plain[2][0].factor == 1.0
     assert [m[0].factor for m in eval_layers(layers, 4, ScaleRule.TEST)[1:]] == [0.25, 0.25]
     assert eval_layers(layers, 4, ScaleRule.TRAIN) == layers
 

@@ -1,3 +1,4 @@
+# ruff: noqa: RUF003  (the paper's notation: −, γ, ×, reads better than ASCII here)
 """Shulgin & Richtárik (arXiv 2306.16484) on quadratics: the three results the simulator must reproduce."""
 
 from __future__ import annotations
