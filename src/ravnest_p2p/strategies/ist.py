@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "IstDeal",
+    "IstTraffic",
     "ScaleRule",
     "deal_hidden_units",
     "extract_subnetwork",
