@@ -119,9 +119,8 @@ class _Checker:
             if not isinstance(grad, Tensor):
                 raise GradientRejected(f"worker {worker_id!r}: {name} is not a tensor")
             if tuple(grad.shape) != shape or grad.dtype != dtype:
-                raise GradientRejected(
-                    f"worker {worker_id!r}: {name} is {tuple(grad.shape)} {grad.dtype}, expected {shape} {dtype}"
-                )
+                got = f"{tuple(grad.shape)} {grad.dtype}"
+                raise GradientRejected(f"worker {worker_id!r}: {name} is {got}, expected {shape} {dtype}")
             if not bool(torch.isfinite(grad).all()):
                 raise GradientRejected(f"worker {worker_id!r}: {name} has non-finite values")
         return step
