@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001, E501  (result text and plot labels use math notation; its long lines are prose)
 """IST in one process on scikit-learn's digits: full-model SGD vs IST (n = 2, 4) at equal epochs.
 
 `python -m benchmarks.ist_inprocess [--width 2048] [--epochs 8]` writes benchmarks/results/ist_inprocess.md.
@@ -111,22 +112,19 @@ def main(quick: bool = False, width: int = 2048, epochs: int = 8) -> None:
         )
         print(rows[-1], flush=True)
     lines = [
-        "# IST in process: scikit-learn digits, wide_mlp 64-{w}-{w}-10 (BatchNorm), {e} epochs".format(
-            w=width, e=epochs
-        ),
+        f"# IST in process: scikit-learn digits, wide_mlp 64-{width}-{width}-10 (BatchNorm), {epochs} epochs",
         "",
-        f"Batch {BATCH}, plain SGD lr {LR}, IST K = {LOCAL_STEPS} local steps per round, each worker on its own "
-        f"1/n of the {len(data[0])} training samples; test set {len(data[2])} samples. One thread, niced, on a "
-        "shared loaded host (CPU seconds are indicative only). Test metrics on the full written-back model: as "
-        "written back, then after re-estimating BatchNorm statistics on the training set.",
+        f"Batch {BATCH}, plain SGD lr {LR}, IST K = {LOCAL_STEPS} local steps per round, each worker on "
+        f"its own 1/n of the {len(data[0])} training samples; test set {len(data[2])} samples. One seed. "
+        "One thread, niced, on a shared loaded host (CPU seconds are indicative only). Test metrics on the "
+        "full written-back model: as written back, then after re-estimating BatchNorm statistics on the "
+        "training set.",
         "",
         "| run | test acc | test loss | test acc (BN recal.) | test loss (BN recal.) | train CPU s |",
         "|---|---|---|---|---|---|",
         *rows,
         "",
-        "Command: `PYTHONPATH=src:. nice -n 19 python -m benchmarks.ist_inprocess --width {w} --epochs {e}`.".format(
-            w=width, e=epochs
-        ),
+        f"Command: `PYTHONPATH=src:. nice -n 19 python -m benchmarks.ist_inprocess --width {width} --epochs {epochs}`.",
     ]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "ist_inprocess.md").write_text("\n".join(lines) + "\n")

@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001, E501  (result text and plot labels use math notation; its long lines are prose)
 """IST on quadratics (Shulgin & Richtárik, arXiv 2306.16484): plot the three results the unit tests pin.
 
 `python -m benchmarks.ist_theory` writes benchmarks/results/ist_theory.png and ist_theory.md (seconds).

@@ -175,3 +175,13 @@ def test_in_process_round_trains_and_recalibration_restores_full_model_statistic
     with torch.no_grad():
         accuracy = (model.eval()(x).argmax(dim=1) == y).float().mean()
     assert accuracy > 0.6
+
+
+def test_wide_mlp_at_paper_width_deals_a_quarter_of_the_first_layer_per_worker():
+    layers = build_model("wide_mlp", {"hidden_features": [2048, 2048]}, seed=0)
+    assert hidden_sizes(layers) == (2048, 2048)
+    deal = deal_hidden_units(hidden_sizes(layers), 4, round_index=0)
+    sub = extract_subnetwork(layers, deal, 3)
+    assert sub[0][1].weight.shape == (512, 64)
+    assert sub[1][1].weight.shape == (512, 512)
+    assert subnetwork_bytes(sub) == ist_bytes_per_worker(64, [2048, 2048], 10, 4).total_bytes
