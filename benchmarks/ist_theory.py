@@ -120,7 +120,7 @@ def main(quick: bool = False) -> None:
     lines += [
         "Plot: ist_theory.png. Model: x⁺ = x − γ(1/n)Σ C_i ∇f_i(C_i x), one local step, exact gradients "
         "(src/ravnest_p2p/strategies/ist_theory.py; tests in tests/unit/strategies/test_ist_theory.py).",
-        f"Command: `PYTHONPATH=src python -m benchmarks.ist_theory`; {time.perf_counter() - start:.1f} s.",
+        f"Command: `PYTHONPATH=src:. nice -n 19 python -m benchmarks.ist_theory`; {time.perf_counter() - start:.1f} s.",
     ]
     (RESULTS / "ist_theory.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

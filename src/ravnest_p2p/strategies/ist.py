@@ -30,9 +30,11 @@ paper keeps them whole and so do we.
 
 Known limits. One model family (`wide_mlp`: Linear(no bias) -> BN -> ReLU blocks, Linear head). With
 heterogeneous data IST carries an irreducible bias (Shulgin & Richtárik, arXiv 2306.16484; see
-`ist_theory`). Running BatchNorm statistics gathered in sub-networks do not match the full model
-(variances of partial sums); `ist_local.recalibrate_batchnorm` re-estimates them. Not wired yet: the
-transport's all-to-all deal/write-back, the planner's layout per mode, a JobSpec ``mode``.
+`ist_theory`). Running BatchNorm statistics are dealt and written back with their units; under the
+TRAIN rule they served the full model better than re-estimated ones in our digits run, under TEST/NONE
+they describe unscaled partial sums and `ist_local.recalibrate_batchnorm` should re-estimate them.
+Not wired yet: the transport's all-to-all deal/write-back, the planner's layout per mode, a JobSpec
+``mode``.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ networked implementation has a bit-exact reference to test against.
 
 Also here: the two test-time helpers IST needs. `eval_layers` applies ResIST's 1/S rule when the
 sub-networks were trained unscaled (`ScaleRule.TEST`). `recalibrate_batchnorm` re-estimates BatchNorm
-running statistics on the full model: those written back from sub-networks describe partial sums
-(their variance differs from the full layer's), a known limit of dealing BN statistics with the units.
+running statistics on the full model: under TEST/NONE those written back from sub-networks describe
+unscaled partial sums. Under the default TRAIN rule it did not help in our digits run
+(benchmarks/results/ist_inprocess.md): the weights were fitted to the sub-networks' statistics.
 """
 
 from __future__ import annotations
