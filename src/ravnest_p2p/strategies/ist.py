@@ -241,6 +241,25 @@ def _shared_mean(values: Sequence[Tensor]) -> Tensor:
     )
 
 
+def _check_tensors(
+    worker: int, hidden: list[_Hidden], head: nn.Linear, sub_hidden: list[_Hidden], sub_head: nn.Linear
+) -> None:
+    """Refuse a sub-network with a wrong-dtype or non-finite tensor (widths are checked by the caller)."""
+    pairs = [(head, sub_head)]
+    pairs += [
+        (m, s)
+        for b, sb in zip(hidden, sub_hidden, strict=True)
+        for m, s in ((b.linear, sb.linear), (b.norm, sb.norm))
+    ]
+    for full_module, sub_module in pairs:
+        full_tensors = dict(full_module.named_parameters()) | dict(full_module.named_buffers())
+        for name, tensor in (*sub_module.named_parameters(), *sub_module.named_buffers()):
+            if name not in full_tensors or tensor.dtype != full_tensors[name].dtype:
+                raise ValueError(f"sub-network {worker}: {name} has dtype {tensor.dtype}, not the model's")
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"sub-network {worker}: {name} has non-finite values")
+
+
 def write_back(layers: Sequence[nn.Module], deal: IstDeal, subnets: Sequence[Sequence[nn.Module]]) -> None:
     """Copy every worker's dealt slices into the full model; average the shared parts. In place.
 
@@ -267,6 +286,10 @@ def write_back(layers: Sequence[nn.Module], deal: IstDeal, subnets: Sequence[Seq
             raise ValueError(f"sub-network {worker}: input width does not match the model")
         if (sub_head.bias is None) != (head.bias is None):
             raise ValueError(f"sub-network {worker}: head bias does not match the model")
+        for block, sub_block in zip(hidden, sub_hidden, strict=True):
+            if (block.linear.bias is None) != (sub_block.linear.bias is None):
+                raise ValueError(f"sub-network {worker}: hidden Linear bias does not match the model")
+        _check_tensors(worker, hidden, head, sub_hidden, sub_head)
         views.append((sub_hidden, sub_head))
     with torch.no_grad():
         for worker, (sub_hidden, sub_head) in enumerate(views):

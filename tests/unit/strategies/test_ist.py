@@ -185,3 +185,20 @@ def test_wide_mlp_at_paper_width_deals_a_quarter_of_the_first_layer_per_worker()
     assert sub[0][1].weight.shape == (512, 64)
     assert sub[1][1].weight.shape == (512, 512)
     assert subnetwork_bytes(sub) == ist_bytes_per_worker(64, [2048, 2048], 10, 4).total_bytes
+
+
+def test_write_back_refuses_non_finite_or_wrong_dtype_subnetworks_and_changes_nothing():
+    layers = _model()
+    before = _state(layers)
+    deal = deal_hidden_units(hidden_sizes(layers), 2, round_index=0)
+    subnets = [extract_subnetwork(layers, deal, w) for w in range(2)]
+    with torch.no_grad():
+        subnets[1][1][1].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        write_back(layers, deal, subnets)
+    subnets = [extract_subnetwork(layers, deal, w) for w in range(2)]
+    subnets[0][2][1].double()
+    with pytest.raises(ValueError, match="dtype"):
+        write_back(layers, deal, subnets)
+    after = _state(layers)
+    assert all(torch.equal(before[k], after[k]) for k in before)
