@@ -245,7 +245,7 @@ def _check_tensors(
     worker: int, hidden: list[_Hidden], head: nn.Linear, sub_hidden: list[_Hidden], sub_head: nn.Linear
 ) -> None:
     """Refuse a sub-network with a wrong-dtype or non-finite tensor (widths are checked by the caller)."""
-    pairs = [(head, sub_head)]
+    pairs: list[tuple[nn.Module, nn.Module]] = [(head, sub_head)]
     pairs += [
         (m, s)
         for b, sb in zip(hidden, sub_hidden, strict=True)
