@@ -13,6 +13,7 @@ from ravnest_p2p.models.registry import (
     sample_input,
 )
 from ravnest_p2p.models.spec import LOSSES, LossFn, LossName, TensorSpec, make_loss, trace_output_specs
+from ravnest_p2p.models.wide_mlp import WideMLPConfig
 
 __all__ = [
     "LOSSES",
@@ -25,6 +26,7 @@ __all__ = [
     "ModelSpec",
     "ResNetSmallConfig",
     "TensorSpec",
+    "WideMLPConfig",
     "available_models",
     "build_model",
     "get_model_spec",

@@ -26,6 +26,7 @@ from ravnest_p2p.models.convnets import (
 )
 from ravnest_p2p.models.mlp import MLPConfig, build_mlp
 from ravnest_p2p.models.spec import LossName, TensorSpec
+from ravnest_p2p.models.wide_mlp import WideMLPConfig, build_wide_mlp
 
 __all__ = ["ModelSpec", "available_models", "build_model", "get_model_spec", "parse_config", "sample_input"]
 
@@ -96,6 +97,14 @@ _REGISTRY: dict[str, ModelSpec] = {
             build=build_char_gpt,
             input_spec=lambda c: TensorSpec((c.block_size,), torch.int64, high=c.vocab_size),
             label_spec=lambda c: TensorSpec((c.block_size,), torch.int64, high=c.vocab_size),
+            loss=_classification,
+        ),
+        ModelSpec(
+            key="wide_mlp",
+            config_cls=WideMLPConfig,
+            build=build_wide_mlp,
+            input_spec=lambda c: TensorSpec((c.in_features,), torch.float32),
+            label_spec=lambda c: TensorSpec((), torch.int64, high=c.out_features),
             loss=_classification,
         ),
     )
