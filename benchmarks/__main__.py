@@ -17,6 +17,9 @@ ALL = [
     "bench_learning",
     "bench_pipeline_throughput",
     "bench_overlap",
+    "ist_theory",
+    "ist_inprocess",
+    "backup_workers_sim",
 ]
 
 
