@@ -98,6 +98,7 @@ _ALLOWED_DTYPES = {
     "bool",
 }
 _SOURCES_PER_JOB = 2  # the plan that ends and the one that starts
+_MAX_JOBS = 2  # a peer serves the state of its two newest jobs (older stages are let go)
 
 
 class HandoverError(RavnestError):
@@ -270,8 +271,11 @@ class HandoverServer:
 
     def publish(self, job_id: str, source: StateSource, *, epoch: int, allowed: Iterable[str]) -> None:
         """Serve `source` as the job's state at `epoch` to the peers in `allowed` (replaces that epoch)."""
-        by_epoch = self._sources.setdefault(job_id, {})
+        by_epoch = self._sources.pop(job_id, {})
+        self._sources[job_id] = by_epoch  # newest job last
         by_epoch[epoch] = _Published(source, frozenset(allowed))
+        for old_job in list(self._sources)[:-_MAX_JOBS]:
+            del self._sources[old_job]
         for old in sorted(by_epoch)[:-_SOURCES_PER_JOB]:
             del by_epoch[old]
 
