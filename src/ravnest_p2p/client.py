@@ -9,14 +9,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import TracebackType
 
 from ravnest_p2p.discovery import PeerDirectory, PeerRecord, RunDHT
 from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import StageMetrics, metrics_key
+from ravnest_p2p.training.model_checkpoint import assemble_checkpoint
 from ravnest_p2p.training.placement import plan_assignment
-from ravnest_p2p.training.runner import JOB_KEY
+from ravnest_p2p.training.runner import JOB_KEY, read_job
+from ravnest_p2p.transport import RpcEndpoint
 
 __all__ = ["RunClient", "newest_epoch"]
 
@@ -143,6 +146,30 @@ class RunClient:
             if loop.time() > deadline:
                 raise TimeoutError(f"job {job.job_id} not done after {timeout_s:.0f}s")
             await asyncio.sleep(poll_s)
+
+    @property
+    def peer_id(self) -> str:
+        """This client's peer id (list it in `JobSpec.state_readers` to fetch checkpoints)."""
+        assert self.dht.transport is not None
+        return self.dht.transport.peer_id
+
+    async def checkpoint(
+        self, path: str | Path, job: JobSpec | None = None, *, timeout_s: float = 300.0
+    ) -> Path:
+        """Assemble the job's full model state from its stage owners into `path` (safetensors + JSON).
+
+        The job (default: the run's current one) must be done and list this client's `peer_id` in
+        `state_readers`. Every tensor is checked against the digests the owners published, and the names,
+        dtypes and shapes against the model; see `training.model_checkpoint`. Returns the manifest path.
+        """
+        job = job or await read_job(self.dht)
+        if job is None:
+            raise RavnestError("no job in the run")
+        assert self.dht.transport is not None
+        rpc = RpcEndpoint(self.dht.transport, self.dht.run_id)
+        metrics = await self.metrics(job_id=job.job_id)
+        await assemble_checkpoint(rpc, job, metrics, Path(path), timeout_s=timeout_s)
+        return Path(path).with_suffix(".json")
 
     async def aclose(self) -> None:
         await self.dht.aclose()

@@ -66,6 +66,7 @@ __all__ = [
     "read_announcements",
     "read_manifest",
     "write_checkpoint",
+    "write_checkpoint_file",
 ]
 
 logger = logging.getLogger(__name__)
@@ -263,10 +264,38 @@ def write_checkpoint(
 
     `digests` (e.g. the ones a transfer already checked) skip hashing; they are trusted as given.
     """
+    return write_checkpoint_file(
+        directory / f"step-{step:010d}.safetensors",
+        tensors,
+        job=job,
+        step=step,
+        first_layer=first_layer,
+        end_layer=end_layer,
+        meta=meta,
+        progress=progress,
+        kind=kind,
+        digests=digests,
+    )
+
+
+def write_checkpoint_file(
+    data_path: Path,
+    tensors: Mapping[str, Tensor],
+    *,
+    job: JobSpec,
+    step: int,
+    first_layer: int,
+    end_layer: int,
+    meta: StateMeta | None = None,
+    progress: Mapping[str, int | float | str] | None = None,
+    kind: str = "stage",
+    digests: Mapping[str, str] | None = None,
+) -> Path:
+    """`write_checkpoint` to a given ``<name>.safetensors`` (manifest: ``<name>.json``); the manifest path."""
+    directory = data_path.parent
     directory.mkdir(parents=True, exist_ok=True)
-    stem = f"step-{step:010d}"
-    data_path, manifest_path = directory / f"{stem}.safetensors", directory / f"{stem}.json"
-    tmp = directory / f".{stem}.safetensors.tmp-{os.getpid()}"
+    manifest_path = data_path.with_suffix(".json")
+    tmp = directory / f".{data_path.name}.tmp-{os.getpid()}"
     try:
         file_bytes, file_sha = _write_safetensors(tmp, tensors, {"job_id": job.job_id, "step": str(step)})
         os.replace(tmp, data_path)
@@ -321,17 +350,22 @@ def read_manifest(path: Path) -> CheckpointManifest:
         raise CheckpointError(f"{path}: not a checkpoint manifest: {exc}") from None
 
 
-def load_checkpoint(path: Path, *, job: JobSpec | None = None) -> tuple[CheckpointManifest, StageState]:
+def load_checkpoint(
+    path: Path, *, job: JobSpec | None = None, manifest_digest: str | None = None
+) -> tuple[CheckpointManifest, StageState]:
     """Load and verify a checkpoint given its manifest (``.json``) or data (``.safetensors``) path.
 
-    Checks: the manifest parses; the data file's size and sha256; every tensor's name, dtype, shape
-    (against the manifest) and digest; finite values; with `job`, the JobSpec digest.
+    Checks: the manifest parses (and, given `manifest_digest`, e.g. from an announcement, is that one);
+    the data file's size and sha256; every tensor's name, dtype, shape (against the manifest) and
+    digest; finite values; with `job`, the JobSpec digest. Files are read one tensor at a time.
 
     Raises:
         CheckpointError: any mismatch (nothing is returned).
     """
     manifest_path = path.with_suffix(".json")
     manifest = read_manifest(manifest_path)
+    if manifest_digest is not None and manifest.digest() != manifest_digest:
+        raise CheckpointError(f"{manifest_path.name} is not the announced manifest")
     if job is not None and manifest.job_digest != job_digest(job):
         raise CheckpointError(f"{manifest_path.name} was written by another job spec")
     if Path(manifest.file).name != manifest.file:
