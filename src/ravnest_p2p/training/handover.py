@@ -74,9 +74,11 @@ __all__ = [
     "HandoverServer",
     "ReadItem",
     "StateChanged",
+    "StateListing",
     "StateSource",
     "StaticSource",
     "fetch_state",
+    "list_state",
 ]
 
 logger = logging.getLogger(__name__)
@@ -481,6 +483,65 @@ async def fetch_state(
         raise ValueError("give exactly one of names and layers")
     page_bytes = max(1 << 10, min(page_bytes, _MAX_PAGE_BYTES))
     deadline = _Deadline(timeout_s)
+    listing = await _list(rpc, peer_id, job_id, names, layers, epoch, deadline)
+    entries = list(listing.entries)
+    if len({e.name for e in entries}) != len(entries):
+        raise CorruptState(f"{peer_id} announced a tensor twice")
+    for entry in entries:
+        try:
+            _check_entry(entry, expected, expected_digests)
+        except StateMismatch as exc:
+            raise CorruptState(str(exc)) from None
+    total = sum(e.nbytes for e in entries)
+    if total > max_total_bytes:
+        raise CorruptState(f"{peer_id} announced {total} bytes; at most {max_total_bytes} expected")
+    return await _receive(
+        rpc, peer_id, job_id, listing.epoch, listing.version, entries, listing.meta, page_bytes, deadline
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StateListing:
+    """What an owner announced it holds: (plan epoch, state version, entries with digests, counters)."""
+
+    epoch: int
+    version: str
+    entries: tuple[TensorEntry, ...]
+    meta: StateMeta | None
+
+
+async def list_state(
+    rpc: RpcEndpoint,
+    peer_id: str,
+    job_id: str,
+    names: Sequence[str] | None = None,
+    *,
+    layers: tuple[int, int] | None = None,
+    epoch: int | None = None,
+    timeout_s: float = 60.0,
+) -> StateListing:
+    """The manifest alone: what `peer_id` holds of `names` (or of `layers`), nothing transferred.
+
+    Raises:
+        HandoverRefused, StateChanged, CorruptState, HandoverError: as `fetch_state`.
+    """
+    if (names is None) == (layers is None):
+        raise ValueError("give exactly one of names and layers")
+    listing = await _list(rpc, peer_id, job_id, names, layers, epoch, _Deadline(timeout_s))
+    if len({e.name for e in listing.entries}) != len(listing.entries):
+        raise CorruptState(f"{peer_id} announced a tensor twice")
+    return listing
+
+
+async def _list(
+    rpc: RpcEndpoint,
+    peer_id: str,
+    job_id: str,
+    names: Sequence[str] | None,
+    layers: tuple[int, int] | None,
+    epoch: int | None,
+    deadline: _Deadline,
+) -> StateListing:
     entries: list[TensorEntry] = []
     meta: StateMeta | None = None
     version: str | None = None
@@ -509,25 +570,19 @@ async def fetch_state(
         else:
             assert layers is not None
             for entry in response.entries:
-                if not layers[0] <= layer_of(entry.name) < layers[1]:
-                    raise CorruptState(f"{peer_id} announced {entry.name!r} outside layers {layers}")
+                try:
+                    inside = layers[0] <= layer_of(entry.name) < layers[1]
+                except StateMismatch:
+                    inside = False
+                if not inside:
+                    raise CorruptState(f"{peer_id} announced {entry.name[:80]!r} outside layers {layers}")
             if response.next_offset is not None and response.next_offset <= (offset or 0):
                 raise CorruptState(f"{peer_id} pages its listing backwards")
             offset = response.next_offset
         entries.extend(response.entries)
-    if len({e.name for e in entries}) != len(entries):
-        raise CorruptState(f"{peer_id} announced a tensor twice")
-    for entry in entries:
-        try:
-            _check_entry(entry, expected, expected_digests)
-        except StateMismatch as exc:
-            raise CorruptState(str(exc)) from None
-    total = sum(e.nbytes for e in entries)
-    if total > max_total_bytes:
-        raise CorruptState(f"{peer_id} announced {total} bytes; at most {max_total_bytes} expected")
-    assert version is not None
-    assert got_epoch is not None
-    return await _receive(rpc, peer_id, job_id, got_epoch, version, entries, meta, page_bytes, deadline)
+    if version is None or got_epoch is None:
+        raise CorruptState(f"{peer_id} listed nothing")
+    return StateListing(epoch=got_epoch, version=version, entries=tuple(entries), meta=meta)
 
 
 async def _receive(
