@@ -32,12 +32,13 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from safetensors import safe_open
 from torch import Tensor
 
 from ravnest_p2p.training.job import JobSpec
@@ -46,6 +47,7 @@ from ravnest_p2p.training.stage_state import (
     StateMeta,
     TensorEntry,
     dtype_name,
+    entries_digest,
     tensor_digest,
 )
 from ravnest_p2p.types import WireModel
@@ -55,14 +57,17 @@ __all__ = [
     "CheckpointAnnouncement",
     "CheckpointConfig",
     "CheckpointError",
+    "CheckpointFileSource",
     "CheckpointManifest",
     "CheckpointRecord",
     "CheckpointWriter",
     "announce_checkpoints",
+    "checkpoint_manifest_path",
     "job_digest",
     "list_checkpoints",
     "load_checkpoint",
     "newest_complete",
+    "newest_covering",
     "read_announcements",
     "read_manifest",
     "write_checkpoint",
@@ -385,6 +390,61 @@ def load_checkpoint(
     return manifest, StageState(tensors=tensors, digests=digests, meta=manifest.meta)
 
 
+class _LazyTensors(Mapping[str, Tensor]):
+    """A checkpoint's tensors, each read from the file when asked for (nothing held)."""
+
+    def __init__(self, manifest: CheckpointManifest, data_path: Path) -> None:
+        self._manifest = manifest
+        self._data_path = data_path
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self._manifest.tensors:
+            raise KeyError(name)
+        with safe_open(str(self._data_path), framework="pt") as f:
+            tensor: Tensor = f.get_tensor(name)
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._manifest.tensors)
+
+    def __len__(self) -> int:
+        return len(self._manifest.tensors)
+
+
+class CheckpointFileSource:
+    """A checkpoint on this peer's disk as a `handover.StateSource`: tensors read one at a time.
+
+    Its listing gives the manifest's digests (so a receiver checks the file's bytes against what was
+    written, not against a hash of possibly damaged bytes), its version is the manifest's digest.
+    """
+
+    def __init__(self, manifest_path: Path) -> None:
+        self.manifest = read_manifest(manifest_path)
+        if Path(self.manifest.file).name != self.manifest.file:
+            raise CheckpointError(
+                f"{manifest_path.name}: data file {self.manifest.file!r} is not a plain name"
+            )
+        self._tensors = _LazyTensors(self.manifest, manifest_path.parent / self.manifest.file)
+        self._version = self.manifest.digest()
+
+    def tensors(self) -> Mapping[str, Tensor]:
+        return self._tensors
+
+    def entries(self) -> Mapping[str, TensorEntry]:
+        return self.manifest.tensors
+
+    def meta(self) -> StateMeta | None:
+        return self.manifest.meta
+
+    def version(self) -> str:
+        return self._version
+
+
+def checkpoint_manifest_path(root: Path, job_id: str, *, step: int, first_layer: int, end_layer: int) -> Path:
+    """Where a stage checkpoint's manifest lives under a `CheckpointConfig.dir`."""
+    return root / job_id / f"layers-{first_layer}-{end_layer}" / f"step-{step:010d}.json"
+
+
 def list_checkpoints(directory: Path) -> list[Path]:
     """Manifest paths in `directory`, oldest step first (unreadable names skipped)."""
     if not directory.is_dir():
@@ -406,7 +466,9 @@ class CheckpointWriter:
         self.job = job
         self.first_layer = first_layer
         self.end_layer = end_layer
-        self.directory = config.dir / job.job_id / f"layers-{first_layer}-{end_layer}"
+        self.directory = checkpoint_manifest_path(
+            config.dir, job.job_id, step=0, first_layer=first_layer, end_layer=end_layer
+        ).parent
         self._last_save = time.monotonic()
         self._last_step: int | None = None
 
@@ -448,10 +510,13 @@ class CheckpointWriter:
 
 # ----- announcements ------------------------------------------------------------------------------------
 class CheckpointRecord(WireModel):
+    """One checkpoint: its step and layers, its manifest's digest and the digest of its tensor list."""
+
     step: int = Field(ge=0)
     first_layer: int = Field(ge=0)
     end_layer: int = Field(ge=1)
     manifest_digest: str = Field(min_length=1, max_length=64)
+    state_digest: str = Field(default="", max_length=64)  # `stage_state.entries_digest` of its tensors
 
 
 class CheckpointAnnouncement(WireModel):
@@ -476,7 +541,11 @@ class CheckpointAnnouncement(WireModel):
             peer_id=peer_id,
             checkpoints=tuple(
                 CheckpointRecord(
-                    step=m.step, first_layer=m.first_layer, end_layer=m.end_layer, manifest_digest=m.digest()
+                    step=m.step,
+                    first_layer=m.first_layer,
+                    end_layer=m.end_layer,
+                    manifest_digest=m.digest(),
+                    state_digest=entries_digest(m.tensors.values()),
                 )
                 for m in listed[-64:]
             ),
@@ -484,17 +553,18 @@ class CheckpointAnnouncement(WireModel):
         )
 
 
-def newest_complete(
+def newest_covering(
     announcements: Sequence[CheckpointAnnouncement],
     *,
     job_id: str,
-    num_layers: int,
+    first_layer: int,
+    end_layer: int,
     job_digest: str | None = None,
 ) -> tuple[int, list[tuple[str, CheckpointRecord]]] | None:
-    """The newest step whose checkpoints cover layers [0, num_layers), and who holds them.
+    """The newest step whose checkpoints cover layers [first_layer, end_layer), and who holds them.
 
-    Returns (step, [(peer id, record), ...]) with records chosen to cover the model (first by layer,
-    the widest range first), or None when no step is complete. Pure.
+    Returns (step, [(peer id, record), ...]) with records chosen to cover the range in layer order (at
+    each point the one reaching furthest), or None when no step covers it. Pure.
     """
     by_step: dict[int, list[tuple[str, CheckpointRecord]]] = {}
     for announcement in announcements:
@@ -507,17 +577,31 @@ def newest_complete(
                 by_step.setdefault(record.step, []).append((announcement.peer_id, record))
     for step in sorted(by_step, reverse=True):
         chosen: list[tuple[str, CheckpointRecord]] = []
-        covered = 0
-        while covered < num_layers:
+        covered = first_layer
+        while covered < end_layer:
             candidates = [h for h in by_step[step] if h[1].first_layer <= covered < h[1].end_layer]
             if not candidates:
                 break
             best = max(candidates, key=lambda h: (h[1].end_layer, h[0]))
             chosen.append(best)
             covered = best[1].end_layer
-        if covered >= num_layers:
+        if covered >= end_layer:
             return step, chosen
     return None
+
+
+def newest_complete(
+    announcements: Sequence[CheckpointAnnouncement],
+    *,
+    job_id: str,
+    num_layers: int,
+    job_digest: str | None = None,
+) -> tuple[int, list[tuple[str, CheckpointRecord]]] | None:
+    """The newest step complete across the whole model (a full-swarm restart): `newest_covering` of
+    layers [0, num_layers)."""
+    return newest_covering(
+        announcements, job_id=job_id, first_layer=0, end_layer=num_layers, job_digest=job_digest
+    )
 
 
 class _SignedStore(Protocol):

@@ -40,6 +40,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -48,6 +49,7 @@ from torch import Tensor
 
 from ravnest_p2p.errors import InvalidMessage, RavnestError, RemoteError, TransportError
 from ravnest_p2p.runtime.stage import StageExecutor
+from ravnest_p2p.training.checkpoint import CheckpointError, CheckpointFileSource, checkpoint_manifest_path
 from ravnest_p2p.training.stage_state import (
     StageState,
     StateMeta,
@@ -66,6 +68,7 @@ from ravnest_p2p.utils import run_in_compute_thread
 __all__ = [
     "DEFAULT_PAGE_BYTES",
     "FETCH_STATE",
+    "CheckpointRef",
     "ExecutorSource",
     "FetchStateRequest",
     "FetchStateResponse",
@@ -101,6 +104,7 @@ _ALLOWED_DTYPES = {
 }
 _SOURCES_PER_JOB = 2  # the plan that ends and the one that starts
 _MAX_JOBS = 2  # a peer serves the state of its two newest jobs (older stages are let go)
+_OPEN_FILES = 4  # checkpoint files with their manifests held open
 
 
 class HandoverError(RavnestError):
@@ -128,8 +132,20 @@ class ReadItem(WireModel):
     count: int = Field(ge=1, le=MAX_TENSOR_NUMEL)
 
 
+class CheckpointRef(WireModel):
+    """A stage checkpoint on the owner's disk (see `training.checkpoint`), instead of its live state."""
+
+    step: int = Field(ge=0)
+    first_layer: int = Field(ge=0, le=1_000_000)
+    end_layer: int = Field(ge=1, le=1_000_000)
+
+
 class FetchStateRequest(WireModel):
-    """A manifest request (`names` or `layers`, paged by `list_offset`) or a page request (`read`)."""
+    """A manifest request (`names` or `layers`, paged by `list_offset`) or a page request (`read`).
+
+    With `checkpoint`, the request is about that checkpoint of the job (the owner's disk), not about
+    the live state published for `epoch`.
+    """
 
     schema_version: int = 1
     job_id: str = Field(min_length=1, max_length=64)
@@ -138,6 +154,7 @@ class FetchStateRequest(WireModel):
     layers: tuple[int, int] | None = None
     list_offset: int = Field(default=0, ge=0, le=10_000_000)
     read: tuple[ReadItem, ...] = Field(default=(), max_length=_MAX_ITEMS)
+    checkpoint: CheckpointRef | None = None
 
 
 class FetchStateResponse(WireModel):
@@ -246,6 +263,8 @@ class HandoverServer:
         self.rpc = rpc
         self.max_page_bytes = max_page_bytes
         self._sources: dict[str, dict[int, _Published]] = {}
+        self._checkpoints: dict[str, tuple[Path, frozenset[str]]] = {}  # job id -> (root, allowed)
+        self._open_files: dict[Path, _Published] = {}
         self._serving = False
         self._lock = asyncio.Lock()
         self.refused = 0
@@ -281,6 +300,10 @@ class HandoverServer:
         for old in sorted(by_epoch)[:-_SOURCES_PER_JOB]:
             del by_epoch[old]
 
+    def serve_checkpoints(self, job_id: str, root: Path, *, allowed: Iterable[str]) -> None:
+        """Serve the job's checkpoints under `root` (a `CheckpointConfig.dir`) to the peers in `allowed`."""
+        self._checkpoints[job_id] = (Path(root), frozenset(allowed))
+
     def allow(self, job_id: str, peer_ids: Iterable[str], *, epoch: int | None = None) -> None:
         """Replace the allow-list of the job's source at `epoch` (None: every epoch)."""
         for e, published in self._sources.get(job_id, {}).items():
@@ -297,7 +320,34 @@ class HandoverServer:
     def published(self, job_id: str) -> list[int]:
         return sorted(self._sources.get(job_id, {}))
 
+    def _find_checkpoint(self, request: FetchStateRequest, peer_id: str) -> tuple[int, _Published]:
+        ref = request.checkpoint
+        assert ref is not None
+        served = self._checkpoints.get(request.job_id)
+        if served is None or peer_id not in served[1]:
+            self.refused += 1
+            if served is not None:
+                raise _NotAllowed(f"{peer_id} may not fetch checkpoints of job {request.job_id}")
+            raise _NoState(f"no checkpoints of job {request.job_id} here")
+        path = checkpoint_manifest_path(
+            served[0], request.job_id, step=ref.step, first_layer=ref.first_layer, end_layer=ref.end_layer
+        )
+        published = self._open_files.get(path)
+        if published is None:
+            try:
+                source = CheckpointFileSource(path)
+            except CheckpointError:
+                raise _NoState(
+                    f"no checkpoint {ref.step} of layers [{ref.first_layer}, {ref.end_layer})"
+                ) from None
+            published = self._open_files[path] = _Published(source, served[1])
+            for old in list(self._open_files)[:-_OPEN_FILES]:
+                del self._open_files[old]
+        return 0, published
+
     def _find(self, request: FetchStateRequest, peer_id: str) -> tuple[int, _Published]:
+        if request.checkpoint is not None:
+            return self._find_checkpoint(request, peer_id)
         by_epoch = self._sources.get(request.job_id, {})
         epoch = request.epoch if request.epoch is not None else max(by_epoch, default=None)
         published = by_epoch.get(epoch) if epoch is not None else None
@@ -352,6 +402,9 @@ class HandoverServer:
         if published.digests is None or published.digests[0] != version:
             published.digests = (version, {})
         cache = published.digests[1]
+        written: Mapping[str, TensorEntry] | None = getattr(source, "entries", lambda: None)()
+        if written is not None:  # e.g. a checkpoint file: its written digests, no reading
+            return [written[n] for n in names], next_offset, source.meta(), version
         entries = []
         for name in names:
             if name not in cache:
@@ -455,6 +508,7 @@ async def fetch_state(
     *,
     layers: tuple[int, int] | None = None,
     epoch: int | None = None,
+    checkpoint: CheckpointRef | None = None,
     expected: Mapping[str, TensorEntry] | None = None,
     max_total_bytes: int = 16 << 30,
     page_bytes: int = DEFAULT_PAGE_BYTES,
@@ -469,6 +523,8 @@ async def fetch_state(
             the owner announces (which proves the transfer intact, not the owner honest).
         layers: fetch every tensor the owner holds for these layers instead of `names`.
         epoch: the owner's published plan epoch to fetch (None: its newest).
+        checkpoint: fetch from that checkpoint on the owner's disk instead (its version is its
+            manifest's digest; see `training.state_sources`).
         expected: the receiver's own schema (`stage_state.expected_entries`): every announced name,
             dtype and shape must match it before anything is allocated.
         max_total_bytes: refuse a manifest announcing more than this.
@@ -483,7 +539,7 @@ async def fetch_state(
         raise ValueError("give exactly one of names and layers")
     page_bytes = max(1 << 10, min(page_bytes, _MAX_PAGE_BYTES))
     deadline = _Deadline(timeout_s)
-    listing = await _list(rpc, peer_id, job_id, names, layers, epoch, deadline)
+    listing = await _list(rpc, peer_id, job_id, names, layers, epoch, deadline, checkpoint)
     entries = list(listing.entries)
     if len({e.name for e in entries}) != len(entries):
         raise CorruptState(f"{peer_id} announced a tensor twice")
@@ -495,9 +551,7 @@ async def fetch_state(
     total = sum(e.nbytes for e in entries)
     if total > max_total_bytes:
         raise CorruptState(f"{peer_id} announced {total} bytes; at most {max_total_bytes} expected")
-    return await _receive(
-        rpc, peer_id, job_id, listing.epoch, listing.version, entries, listing.meta, page_bytes, deadline
-    )
+    return await _receive(rpc, peer_id, job_id, listing, entries, page_bytes, deadline, checkpoint)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -518,6 +572,7 @@ async def list_state(
     *,
     layers: tuple[int, int] | None = None,
     epoch: int | None = None,
+    checkpoint: CheckpointRef | None = None,
     timeout_s: float = 60.0,
 ) -> StateListing:
     """The manifest alone: what `peer_id` holds of `names` (or of `layers`), nothing transferred.
@@ -527,7 +582,7 @@ async def list_state(
     """
     if (names is None) == (layers is None):
         raise ValueError("give exactly one of names and layers")
-    listing = await _list(rpc, peer_id, job_id, names, layers, epoch, _Deadline(timeout_s))
+    listing = await _list(rpc, peer_id, job_id, names, layers, epoch, _Deadline(timeout_s), checkpoint)
     if len({e.name for e in listing.entries}) != len(listing.entries):
         raise CorruptState(f"{peer_id} announced a tensor twice")
     return listing
@@ -541,6 +596,7 @@ async def _list(
     layers: tuple[int, int] | None,
     epoch: int | None,
     deadline: _Deadline,
+    checkpoint: CheckpointRef | None = None,
 ) -> StateListing:
     entries: list[TensorEntry] = []
     meta: StateMeta | None = None
@@ -550,7 +606,9 @@ async def _list(
     if names is not None:
         wanted = list(dict.fromkeys(names))
         requests = [
-            FetchStateRequest(job_id=job_id, epoch=epoch, names=tuple(wanted[i : i + _MAX_NAMES]))
+            FetchStateRequest(
+                job_id=job_id, epoch=epoch, names=tuple(wanted[i : i + _MAX_NAMES]), checkpoint=checkpoint
+            )
             for i in range(0, len(wanted), _MAX_NAMES)
         ]
     offset: int | None = 0
@@ -558,7 +616,9 @@ async def _list(
         request = (
             requests.pop(0)
             if requests
-            else FetchStateRequest(job_id=job_id, epoch=got_epoch, layers=layers, list_offset=offset or 0)
+            else FetchStateRequest(
+                job_id=job_id, epoch=got_epoch, layers=layers, list_offset=offset or 0, checkpoint=checkpoint
+            )
         )
         response, _ = await _call(rpc, peer_id, request, deadline)
         if version is not None and (response.version != version or response.epoch != got_epoch):
@@ -589,17 +649,17 @@ async def _receive(
     rpc: RpcEndpoint,
     peer_id: str,
     job_id: str,
-    epoch: int,
-    version: str,
+    listing: StateListing,
     entries: Sequence[TensorEntry],
-    meta: StateMeta | None,
     page_bytes: int,
     deadline: _Deadline,
+    checkpoint: CheckpointRef | None,
 ) -> StageState:
+    epoch, version, meta = listing.epoch, listing.version, listing.meta
     by_name = {e.name: e for e in entries}
     out = {e.name: torch.empty(e.shape, dtype=getattr(torch, e.dtype)) for e in entries}
     for page in _plan_pages(entries, page_bytes):
-        request = FetchStateRequest(job_id=job_id, epoch=epoch, read=tuple(page))
+        request = FetchStateRequest(job_id=job_id, epoch=epoch, read=tuple(page), checkpoint=checkpoint)
         response, tensors = await _call(rpc, peer_id, request, deadline)
         if response.version != version or response.epoch != epoch:
             raise StateChanged(f"the state of {peer_id} changed during the transfer")

@@ -118,6 +118,8 @@ class StageStateHook:
             epoch=self.epoch,
             allowed=self.allowed,
         )
+        if self.writer is not None:  # its checkpoints too, for owners after a restart (state_sources)
+            server.serve_checkpoints(self.job.job_id, self.writer.config.dir, allowed=self.allowed)
 
     async def on_step(self, step: int) -> None:
         """After an optimizer step (the stage's work waits): write a checkpoint if one is due."""
