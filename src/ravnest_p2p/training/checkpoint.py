@@ -20,7 +20,7 @@ finds the newest step whose ranges cover the whole model. Steps only line up acr
 checkpoints serve a single stage's recovery.
 
 Modules: ``checkpoint_files`` (the safetensors I/O), ``checkpoint_announce`` (announcements; re-exported
-here), ``state_sources`` (fetching checkpoints from the peers that wrote them).
+here), ``checkpoint_fetch`` (fetching checkpoints from the peers that wrote them).
 
 Limits: the stage's work waits while its checkpoint is written (the tensors are written live, without
 a copy); the global RNG is not saved.

@@ -198,7 +198,7 @@ async def fetch_state(
         layers: fetch every tensor the owner holds for these layers instead of `names`.
         epoch: the owner's published plan epoch to fetch (None: its newest).
         checkpoint: fetch from that checkpoint on the owner's disk instead (its version is its
-            manifest's digest; see `training.state_sources`).
+            manifest's digest; see `training.checkpoint_fetch`).
         expected: the receiver's own schema (`stage_state.expected_entries`): every announced name,
             dtype and shape must match it before anything is allocated.
         max_total_bytes: refuse a manifest announcing more than this.

@@ -118,7 +118,7 @@ class StageStateHook:
             epoch=self.epoch,
             allowed=self.allowed,
         )
-        if self.writer is not None:  # its checkpoints too, for owners after a restart (state_sources)
+        if self.writer is not None:  # its checkpoints too, for owners after a restart (checkpoint_fetch)
             server.serve_checkpoints(self.job.job_id, self.writer.config.dir, allowed=self.allowed)
 
     async def on_step(self, step: int) -> None:

@@ -170,9 +170,9 @@ async def test_the_stage_hook_writes_announces_and_serves(tmp_path):
 
 async def test_a_new_owner_pulls_the_newest_covering_checkpoint_from_the_peers_that_wrote_it(tmp_path):
     from ravnest_p2p.training.checkpoint import CheckpointAnnouncement as Announcement
+    from ravnest_p2p.training.checkpoint_fetch import fetch_from_checkpoints
     from ravnest_p2p.training.handover import HandoverError, HandoverServer
     from ravnest_p2p.training.stage_state import expected_entries, merge_states
-    from ravnest_p2p.training.state_sources import fetch_from_checkpoints
 
     job = resnet_job()
     old = build_split(job, [(0, 2), (2, 5)])
