@@ -73,8 +73,11 @@ class ExecutorSource:
         return capture_meta(self.executor, self._progress() if self._progress else None)
 
     def version(self) -> str:
-        buffers = sum(b._version for b in self.executor.buffers_by_name().values())
-        return f"{self.executor.weight_version}.{self.executor.num_steps}.{buffers}"
+        # autograd's in-place counters catch what the weight version may not (e.g. BatchNorm statistics
+        # updated by a forward, a parameter written in place under no_grad)
+        tensors = [*self.executor.parameters_by_name().values(), *self.executor.buffers_by_name().values()]
+        counters = sum(t._version for t in tensors)
+        return f"{self.executor.weight_version}.{self.executor.num_steps}.{counters}"
 
 
 class StaticSource:
