@@ -50,6 +50,7 @@ from ravnest_p2p.training.checkpoint_announce import (
     announce_checkpoints,
     newest_complete,
     newest_covering,
+    parse_announcement,
     read_announcements,
 )
 from ravnest_p2p.training.checkpoint_files import (
@@ -83,6 +84,7 @@ __all__ = [
     "load_checkpoint",
     "newest_complete",
     "newest_covering",
+    "parse_announcement",
     "read_announcements",
     "read_manifest",
     "write_checkpoint",

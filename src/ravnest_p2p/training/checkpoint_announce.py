@@ -27,6 +27,7 @@ __all__ = [
     "announce_checkpoints",
     "newest_complete",
     "newest_covering",
+    "parse_announcement",
     "read_announcements",
 ]
 
@@ -128,6 +129,17 @@ def newest_complete(
     return newest_covering(
         announcements, job_id=job_id, first_layer=0, end_layer=num_layers, job_digest=job_digest
     )
+
+
+def parse_announcement(value: Any, signer_peer_id: str) -> CheckpointAnnouncement:
+    """The DHT validator's schema of the ``checkpoints`` key: a valid announcement its signer wrote about
+    itself (register with ``KeyRegistry.with_schema(CHECKPOINTS_KEY, parse_announcement)``)."""
+    announcement = CheckpointAnnouncement.model_validate(value)
+    if announcement.peer_id != signer_peer_id:
+        raise ValueError(
+            f"announcement names {announcement.peer_id[:16]!r}, signed by {signer_peer_id[:16]!r}"
+        )
+    return announcement
 
 
 class _SignedStore(Protocol):

@@ -11,15 +11,21 @@ import torch
 from ravnest_p2p.client import RunClient
 from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.runtime.optim import OptimizerConfig
+from ravnest_p2p.training.checkpoint import newest_complete, read_announcements
 from ravnest_p2p.training.job import JobSpec, StagePlacement
 from ravnest_p2p.training.model_checkpoint import evaluate_model, load_model
+from ravnest_p2p.training.stage_hook import CHECKPOINT_DIR_ENV
 from ravnest_p2p.training.stage_state import tensor_digest
+from ravnest_p2p.utils import wait_until
 from tests.integration.foundation.conftest import close_all, start_swarm
 
 pytestmark = pytest.mark.timeout(240)
 
 
-async def test_client_checkpoint_of_a_finished_job_loads_and_scores_what_the_run_reported(tmp_path):
+async def test_client_checkpoint_of_a_finished_job_loads_and_scores_what_the_run_reported(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv(CHECKPOINT_DIR_ENV, str(tmp_path / "stages"))  # the peers keep checkpoints there
     peers = await start_swarm(2, "ckpt", job_poll_s=0.5)
     try:
         async with await RunClient.connect(peers[0].maddrs, "ckpt") as client:
@@ -30,6 +36,7 @@ async def test_client_checkpoint_of_a_finished_job_loads_and_scores_what_the_run
                 dataset="digits",
                 batch_size=32,
                 max_steps=40,
+                checkpoint_every_steps=10,
                 optimizer=OptimizerConfig(name="adam", lr=3e-3),
                 state_readers=(client.peer_id,),
                 assignment=(
@@ -41,6 +48,15 @@ async def test_client_checkpoint_of_a_finished_job_loads_and_scores_what_the_run
             )
             await client.publish_job(job)
             final = await client.wait_for_job(job, timeout_s=180, poll_s=0.5)
+
+            # both stages announced their checkpoints (signed, under `checkpoints`): step 40 is complete
+            async def complete_step():
+                found = newest_complete(
+                    await read_announcements(client.dht, job_id=job.job_id), job_id=job.job_id, num_layers=4
+                )
+                return found is not None and found[0] == 40
+
+            await wait_until(complete_step, 30, message="checkpoint announcements of step 40")
             manifest_path = await client.checkpoint(tmp_path / "model.safetensors", job)
 
             # a client the job does not list is refused, and writes nothing

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from ravnest_p2p.training.checkpoint import list_checkpoints, load_checkpoint
+from ravnest_p2p.training.checkpoint import CheckpointAnnouncement, list_checkpoints, load_checkpoint
+from ravnest_p2p.training.checkpoint_fetch import fetch_from_checkpoints
 from ravnest_p2p.training.handover import HandoverServer, fetch_state
 from ravnest_p2p.training.job import StagePlacement
 from ravnest_p2p.training.local import local_hosts
@@ -77,6 +78,26 @@ async def test_a_new_owner_takes_layers_from_two_owners_of_a_trained_job(tmp_pat
         assert_bit_equal(received, {n: truth[n] for n in names_in_layers(truth, 1, 4)})
         assert new.num_steps == runners[0].service.executor.num_steps == 8
         assert HandoverServer.of(runners[0].rpc).refused == 0
+
+        # the same layers from the checkpoints the owners wrote and serve (step 6: the newest kept)
+        announcements = [
+            CheckpointAnnouncement.of(
+                [
+                    load_checkpoint(p)[0]
+                    for p in list_checkpoints(tmp_path / peer / job.job_id / f"layers-{f}-{e}")
+                ],
+                peer_id=peer,
+                updated_at=0.0,
+            )
+            for peer, f, e in split
+        ]
+        from_disk = await fetch_from_checkpoints(
+            rpc, announcements, job, 1, 4, expected=expected, timeout_s=30
+        )
+        assert from_disk is not None
+        assert from_disk.meta is not None
+        assert from_disk.meta.num_steps == 6
+        assert set(from_disk.tensors) == set(received)
 
     # checkpoints were written while training: steps 3 and 6 of each stage, both verified
     for transport, (_, first, end) in zip((a, b), split, strict=True):
