@@ -32,6 +32,7 @@ from ravnest_p2p.training.stage_state import (
     restore_state,
 )
 from ravnest_p2p.transport import RpcEndpoint
+from ravnest_p2p.transport.wire import encode_envelope
 from tests.unit.training.stage_state_helpers import build_split, resnet_job, train_step, union_state
 
 pytestmark = pytest.mark.timeout(120)
@@ -184,7 +185,17 @@ async def test_strangers_and_forged_requests_are_refused_and_the_owner_keeps_ser
                 hostile.refused += 1
                 continue
             hostile.forged_accepted += 1
-        for garbage in (b"", b"RV1\xff\xff\xff\xff", b"\x00" * 1000):
+        traversal = encode_envelope(
+            {
+                "kind": "request",
+                "body": {
+                    "job_id": "../../etc",
+                    "layers": [0, 5],
+                    "checkpoint": {"step": 1, "first_layer": 0, "end_layer": 5},
+                },
+            }
+        )
+        for garbage in (b"", b"RV1\xff\xff\xff\xff", b"\x00" * 1000, traversal):
             hostile.sent += 1
             reply = await stranger_host.call(
                 owner_host.peer_id,

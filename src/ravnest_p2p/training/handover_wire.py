@@ -72,7 +72,7 @@ class FetchStateRequest(WireModel):
     """
 
     schema_version: int = 1
-    job_id: str = Field(min_length=1, max_length=64)
+    job_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     epoch: int | None = Field(default=None, ge=0)
     names: tuple[str, ...] = Field(default=(), max_length=MAX_NAMES)
     layers: tuple[int, int] | None = None

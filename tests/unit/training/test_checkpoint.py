@@ -211,3 +211,14 @@ async def test_a_new_owner_pulls_the_newest_covering_checkpoint_from_the_peers_t
     with pytest.raises(HandoverError, match="another checkpoint"):
         await fetch_from_checkpoints(rpc, [announcements[0], forged], job, 1, 4)
     assert await fetch_from_checkpoints(rpc, announcements[:1], job, 1, 4) is None
+
+
+def test_the_validator_schema_takes_only_announcements_their_signer_wrote_about_itself():
+    from ravnest_p2p.training.checkpoint import parse_announcement
+
+    value = _announce("a", [(10, 0, 5)]).model_dump(mode="json")
+    assert parse_announcement(value, "a").peer_id == "a"
+    with pytest.raises(ValueError, match="signed by"):
+        parse_announcement(value, "b")
+    with pytest.raises(ValueError, match="validation"):
+        parse_announcement({**value, "checkpoints": [{"step": -1}]}, "a")
