@@ -123,7 +123,9 @@ class HandoverServer:
     """
 
     def __init__(self, rpc: RpcEndpoint, *, max_page_bytes: int = MAX_PAGE_BYTES) -> None:
-        self.rpc = rpc
+        # weak: `_SERVERS` maps the endpoint to this server, which must not keep the endpoint (and the
+        # stages it publishes) alive once the peer let go of it
+        self._rpc = weakref.ref(rpc)
         self.max_page_bytes = max_page_bytes
         self._sources: dict[str, dict[int, _Published]] = {}
         self._checkpoints: dict[str, tuple[Path, frozenset[str]]] = {}  # job id -> (root, allowed)
@@ -131,6 +133,13 @@ class HandoverServer:
         self._serving = False
         self._lock = asyncio.Lock()
         self.refused = 0
+
+    @property
+    def rpc(self) -> RpcEndpoint:
+        rpc = self._rpc()
+        if rpc is None:
+            raise RuntimeError("the RPC endpoint of this hand-over server is gone")
+        return rpc
 
     @classmethod
     def of(cls, rpc: RpcEndpoint) -> HandoverServer:
