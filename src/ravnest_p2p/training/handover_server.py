@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -112,7 +111,7 @@ class _NoState(InvalidMessage):
     code = "no_state"
 
 
-_SERVERS: weakref.WeakKeyDictionary[RpcEndpoint, HandoverServer] = weakref.WeakKeyDictionary()
+_ATTRIBUTE = "_ravnest_handover_server"  # the server rides on its endpoint: they live and die together
 
 
 class HandoverServer:
@@ -123,9 +122,7 @@ class HandoverServer:
     """
 
     def __init__(self, rpc: RpcEndpoint, *, max_page_bytes: int = MAX_PAGE_BYTES) -> None:
-        # weak: `_SERVERS` maps the endpoint to this server, which must not keep the endpoint (and the
-        # stages it publishes) alive once the peer let go of it
-        self._rpc = weakref.ref(rpc)
+        self.rpc = rpc
         self.max_page_bytes = max_page_bytes
         self._sources: dict[str, dict[int, _Published]] = {}
         self._checkpoints: dict[str, tuple[Path, frozenset[str]]] = {}  # job id -> (root, allowed)
@@ -134,19 +131,13 @@ class HandoverServer:
         self._lock = asyncio.Lock()
         self.refused = 0
 
-    @property
-    def rpc(self) -> RpcEndpoint:
-        rpc = self._rpc()
-        if rpc is None:
-            raise RuntimeError("the RPC endpoint of this hand-over server is gone")
-        return rpc
-
     @classmethod
     def of(cls, rpc: RpcEndpoint) -> HandoverServer:
         """The server of `rpc` (created on first use; call `start` before expecting requests)."""
-        server = _SERVERS.get(rpc)
+        server: HandoverServer | None = getattr(rpc, _ATTRIBUTE, None)
         if server is None:
-            server = _SERVERS[rpc] = cls(rpc)
+            server = cls(rpc)
+            setattr(rpc, _ATTRIBUTE, server)
         return server
 
     async def start(self) -> None:
