@@ -22,6 +22,7 @@ from ravnest_p2p.training.data import ArrayDataset
 from ravnest_p2p.training.job import JobSpec, StagePlacement
 from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics
 from ravnest_p2p.training.replicas import ReplicaAverager, shard_map_for, tensor_digests
+from ravnest_p2p.training.stage_hook import attach_stage_state
 from ravnest_p2p.training.stages import build_stage, load_dataset, steps_per_cluster, train_batches
 from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import TaskOwner
@@ -250,6 +251,7 @@ class StageRunner:
             )
             await self.replicas.start()
             service.on_step = self.replicas.on_step
+        self.state_hook = await attach_stage_state(self, service)  # serves its state; checkpoints
         await service.start()
         self._tasks.spawn(self._metrics_loop(), name="metrics")
         started = time.monotonic()
