@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ravnest_p2p.errors import RavnestError
+from ravnest_p2p.errors import NeighbourLost
 from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.runtime.service import PipelineConfig, StageService
 from ravnest_p2p.training.job import JobSpec
@@ -85,8 +85,9 @@ async def test_dead_next_stage_fails_the_pipeline_within_its_deadline():
     services = await make_cluster(net, 3, window=2, timeout_s=2.0)
     net.kill("p2")
     try:
-        with pytest.raises(RavnestError, match="failed"):
+        with pytest.raises(NeighbourLost) as lost:
             await services[0].train(batches())
+        assert lost.value.peer_id == "p2"  # named by the middle stage, whose forward to p2 failed
     finally:
         for s in services:
             await s.aclose()
