@@ -8,18 +8,38 @@ from ravnest_p2p.membership.agreement import (
     plan_position,
 )
 from ravnest_p2p.membership.board import DhtPlanBoard, MemoryPlanBoard, PlanBoard, plan_key
-from ravnest_p2p.membership.epochs import Action, EpochTracker, Phase, Timing
-from ravnest_p2p.membership.gossip import GOSSIP_VIEW, Gossiper, GossipItem, GossipReply, GossipRequest
+from ravnest_p2p.membership.epochs import MAX_EPOCH, Action, EpochTracker, Phase, Timing, backed_epoch
+from ravnest_p2p.membership.gossip import (
+    GOSSIP_VIEW,
+    Gossiper,
+    GossipItem,
+    GossipLimits,
+    GossipReply,
+    GossipRequest,
+)
+from ravnest_p2p.membership.suspects import (
+    SUSPECTS_KEY,
+    DhtSuspectBoard,
+    MemorySuspectBoard,
+    Suspect,
+    SuspectBoard,
+    SuspectKind,
+    SuspectReport,
+)
 from ravnest_p2p.membership.view import Capacity, MembershipView, SummaryItem, ViewEntry, bucket_of
 
 __all__ = [
     "DEFAULT_LAYERS",
     "GOSSIP_VIEW",
+    "MAX_EPOCH",
+    "SUSPECTS_KEY",
     "Action",
     "Capacity",
     "DhtPlanBoard",
+    "DhtSuspectBoard",
     "EpochTracker",
     "GossipItem",
+    "GossipLimits",
     "GossipReply",
     "GossipRequest",
     "Gossiper",
@@ -27,12 +47,18 @@ __all__ = [
     "MembershipService",
     "MembershipView",
     "MemoryPlanBoard",
+    "MemorySuspectBoard",
     "Phase",
     "PlanBoard",
     "RecordSource",
     "SummaryItem",
+    "Suspect",
+    "SuspectBoard",
+    "SuspectKind",
+    "SuspectReport",
     "Timing",
     "ViewEntry",
+    "backed_epoch",
     "bucket_of",
     "plan_key",
     "plan_position",
