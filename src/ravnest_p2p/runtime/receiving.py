@@ -198,8 +198,8 @@ class StageHandlers:
         self._check_epoch(req.epoch)
         self.watch.heard(ctx.remote_peer_id)
         waiter = self._eval_waiters.get(req.micro_batch_id)
-        if waiter is None or waiter.done():
-            raise InvalidMessage(f"no evaluation pending for micro-batch {req.micro_batch_id}")
+        if waiter is None or waiter.done():  # never issued, or late after a timeout: not held against it
+            raise _Benign(f"no evaluation pending for micro-batch {req.micro_batch_id}")
         waiter.set_result(req)
         return Ack()
 
