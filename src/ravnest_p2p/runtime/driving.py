@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 from torch import Tensor
 
-from ravnest_p2p.errors import NeighbourLost, RavnestError, TransportError
+from ravnest_p2p.errors import InvalidMessage, NeighbourLost, RavnestError, TransportError
 from ravnest_p2p.runtime.liveness import NeighbourWatch
 from ravnest_p2p.runtime.messages import FINISH, READY, EvalResult, FinishRequest, ReadyRequest
 from ravnest_p2p.runtime.pipeline import PipelineConfig, StageStats, Work
@@ -150,7 +150,11 @@ class FirstStageDriver:
             self._outstanding[mb] = _Issued(time.monotonic(), inputs, labels)
             self._all_done.clear()
             self._pending_forward.add(mb)
-            await self._enqueue(self._forward_q, Work("forward", mb, inputs, labels))
+            try:
+                await self._enqueue(self._forward_q, Work("forward", mb, inputs, labels))
+            except InvalidMessage:  # the stage failed while we waited for queue space
+                self._raise_if_failed()
+                raise
         await self._wait_all_done()
 
     async def _acquire_window(self) -> None:
@@ -197,7 +201,11 @@ class FirstStageDriver:
             waiter: asyncio.Future[EvalResult | None] = loop.create_future()
             self._eval_waiters[mb] = waiter
             waiters.append(waiter)
-            await self._enqueue(self._forward_q, Work("eval", mb, inputs, labels))
+            try:
+                await self._enqueue(self._forward_q, Work("eval", mb, inputs, labels))
+            except InvalidMessage:
+                self._raise_if_failed()
+                raise
         try:
             async with asyncio.timeout(self.config.micro_batch_timeout_s):
                 outcomes = await asyncio.gather(*waiters)

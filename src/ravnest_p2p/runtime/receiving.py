@@ -119,7 +119,9 @@ class StageHandlers:
 
     async def _enqueue(self, queue: deque[Work], work: Work) -> int:
         async with self._space:
-            await self._space.wait_for(lambda: len(queue) < self._queue_limit)
+            await self._space.wait_for(lambda: len(queue) < self._queue_limit or self.failure is not None)
+            if self.failure is not None:  # the worker is gone: nothing will take it
+                raise _Benign("this stage has failed")
             queue.append(work)
         self._work.set()
         return len(queue)

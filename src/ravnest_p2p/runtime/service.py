@@ -319,9 +319,11 @@ class StageService(StageHandlers, FirstStageDriver):
             finally:
                 pending = self._pending_backward if work.kind == "backward" else self._pending_forward
                 pending.discard(work.micro_batch_id)
-        # failed: free every stashed version and activation at once
+        # failed: free every stashed version and activation at once, wake whoever waits for queue space
         self._forward_q.clear()
         self._backward_q.clear()
+        async with self._space:
+            self._space.notify_all()
         released = await run_in_compute_thread(self.executor.release_all)
         self._outstanding.clear()
         logger.info("stage %d released %d in-flight micro-batches after its failure", self.index, released)
