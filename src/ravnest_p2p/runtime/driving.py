@@ -52,6 +52,7 @@ class FirstStageDriver:
     watch: NeighbourWatch
     failure: BaseException | None
     finished: asyncio.Event
+    quiet: asyncio.Event
     _forward_q: deque[Work]
     _work: asyncio.Event
     _pending_forward: set[int]
@@ -221,6 +222,7 @@ class FirstStageDriver:
 
     async def finish(self) -> None:
         """First stage: tell the other stages training is over (best effort, with deadlines)."""
+        self.quiet.set()
         for peer in self.peers[1:]:
             try:
                 await self.rpc.call(peer, FINISH, FinishRequest(epoch=self.epoch), timeout_s=10)

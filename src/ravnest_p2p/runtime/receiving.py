@@ -68,6 +68,7 @@ class StageHandlers:
     watch: NeighbourWatch
     failure: BaseException | None
     finished: asyncio.Event
+    quiet: asyncio.Event
     _methods: list[RpcMethod[Any, Any]]
     _forward_q: deque[Work]
     _backward_q: deque[Work]
@@ -223,5 +224,6 @@ class StageHandlers:
         if ctx.remote_peer_id != self.peers[0]:
             raise InvalidMessage("finish from a peer that is not the first stage")
         self._check_epoch(req.epoch)
+        self.quiet.set()
         self.finished.set()
         return Ack()
