@@ -31,7 +31,8 @@ async def test_first_stage_fails_with_neighbour_lost_within_ten_seconds_of_the_m
     async with local_hosts(3) as transports, local_pipeline(JOB, transports, max_in_flight=3) as services:
         first, middle, _ = services
         assert first.config.neighbour_timeout_s <= 10  # the default
-        training = asyncio.create_task(first.train(train_batches(JOB, train, cluster_index=0, num_clusters=1)))
+        batches = train_batches(JOB, train, cluster_index=0, num_clusters=1)
+        training = asyncio.create_task(first.train(batches))
         try:
             await wait_until(lambda: first.stats.completed >= 3, 60, message="training under way")
             killed_at = time.monotonic()
