@@ -307,7 +307,7 @@ class StageService(StageHandlers, FirstStageDriver):
                     work.micro_batch_id,
                     exc,
                 )
-                if work.kind in ("forward", "backward") and not self.is_first:
+                if work.kind in ("forward", "backward"):  # release it; the first stage re-issues it
                     await self._process_drop(work.micro_batch_id, str(exc))
             except asyncio.CancelledError:
                 raise
