@@ -28,12 +28,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from ravnest_p2p.discovery import PeerRecord, dht_time
+from ravnest_p2p.discovery import PeerRecord, RunDHT, dht_time
 from ravnest_p2p.membership.board import PlanBoard
 from ravnest_p2p.membership.config import DEFAULT_LAYERS, MembershipConfig
 from ravnest_p2p.membership.epochs import Action, EpochTracker, Phase, backed_epoch
 from ravnest_p2p.membership.gossip import Gossiper, GossipLimits
-from ravnest_p2p.membership.suspects import SuspectBoard, SuspectKind
+from ravnest_p2p.membership.suspects import DhtSuspectBoard, SuspectBoard, SuspectKind
 from ravnest_p2p.membership.suspicion import SuspicionKeeper
 from ravnest_p2p.membership.view import Capacity, MembershipView, SummaryItem
 from ravnest_p2p.planning import JobParams, Plan, make_plan
@@ -120,6 +120,9 @@ class MembershipService:
         # (claimant -> highest epoch it claimed) since the last round; adopted only when backed
         self._claims: dict[str, int] = {}
         self.num_epoch_claims_dropped = 0
+        if suspects is None and isinstance(getattr(board, "_dht", None), RunDHT):
+            # until the composition root passes a board: reports go where the plan digests go
+            suspects = DhtSuspectBoard(board._dht)  # type: ignore[attr-defined]
         self.suspicion = SuspicionKeeper(
             rpc,
             suspects,

@@ -48,7 +48,7 @@ def members(plan: Plan) -> set[str]:
 
 @contextlib.asynccontextmanager
 async def real_peers(n: int, run_id: str, *, record_ttl_s: float = 30.0) -> AsyncIterator[list[Peer]]:
-    """``n`` started peers of ``run_id``, suspect reports through the DHT (node.py does not wire it yet)."""
+    """``n`` started peers of ``run_id`` (suspect reports go through the DHT)."""
     ttl = record_ttl_s
     first = await Peer.start(config(run_id, record_ttl_s=ttl))
     peers = [first]
@@ -64,9 +64,9 @@ async def real_peers(n: int, run_id: str, *, record_ttl_s: float = 30.0) -> Asyn
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
-        for peer in peers:
+        for peer in peers:  # the service found the DHT through its plan board
             assert peer.membership is not None
-            peer.membership.suspicion.board = DhtSuspectBoard(peer.dht)
+            assert isinstance(peer.membership.suspicion.board, DhtSuspectBoard)
         yield peers
     finally:
         with contextlib.suppress(Exception):
