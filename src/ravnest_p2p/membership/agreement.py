@@ -134,6 +134,8 @@ class MembershipService:
             are_neighbours=self._are_neighbours,
             get_epoch=lambda: self.tracker.epoch,
             clock=wall_clock,
+            read_period_s=max(1.0, config.gossip_period_s),
+            monotonic=clock,
         )
         self.active_plan: Plan | None = None
         # which workload (e.g. a job id) the plans are for: every peer that sees the same job sets the
