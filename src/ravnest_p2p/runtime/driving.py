@@ -210,6 +210,9 @@ class FirstStageDriver:
         try:
             async with asyncio.timeout(self.config.micro_batch_timeout_s):
                 outcomes = await asyncio.gather(*waiters)
+        except RavnestError:
+            self._raise_if_failed()  # typed (e.g. `NeighbourLost`) when the pipeline failed meanwhile
+            raise
         finally:
             for mb in [k for k, w in self._eval_waiters.items() if w in waiters]:
                 del self._eval_waiters[mb]
