@@ -32,7 +32,7 @@ async def test_hostile_forwards_are_refused_counted_and_training_finishes(hostil
             return ForwardRequest(epoch=epoch, micro_batch_id=mb, weight_version=0)
 
         bad_labels = [y + 10, y - 20, torch.full_like(y, 2**40), torch.full_like(y, -1)]
-        scales = [1e7, 1e12, 1e30, -1e25]
+        scales = [1e11, 1e15, 1e30, -1e25]
         far_ids = [10**6, 2**40, 2**62]
         counted = {middle: 0, last: 0}
         for target, sender_rpc, a in ((middle, p.rpcs[0], act), (last, p.rpcs[1], act_last)):
