@@ -213,8 +213,12 @@ class MembershipService:
         live = self.view.live_ids()
         record_epochs = [rec.epoch for pid, rec in self._records.peers.items() if pid in live]
         if claim > max(record_epochs, default=0) + 1:
-            published = await self._read_board_at(claim - 1) or {}
-            by_other = any(pid in live and pid != claimant for pid in published)
+            by_other = False
+            for epoch in (claim - 1, claim):  # a board keeping each member's latest digest may show E only
+                published = await self._read_board_at(epoch) or {}
+                by_other = any(pid in live and pid != claimant for pid in published)
+                if by_other:
+                    break
         else:
             by_other = False
         target = backed_epoch(claim, record_epochs=record_epochs, previous_published_by_other=by_other)
