@@ -116,6 +116,8 @@ class MembershipService:
             limits=GossipLimits().scaled(config.gossip_period_s),
             is_member=self._is_member,
             clock=clock,
+            get_suspects_version=lambda: self.suspicion.version,
+            on_suspects_version=lambda sender, version: self.suspicion.heard_version(sender, version),
         )
         # (claimant -> highest epoch it claimed) since the last round; adopted only when backed
         self._claims: dict[str, int] = {}

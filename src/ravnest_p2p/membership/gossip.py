@@ -21,6 +21,10 @@ Every call has a deadline; a malformed request (bad field, wrong bucket count, i
 buckets they claim) gets an error reply and changes nothing. Gossip about a peer we cannot reach is
 logged at DEBUG and forgotten until the next round.
 
+Suspect reports ride along as a version number (``suspects_version``, the time the sender last
+published its signed `SuspectReport`): a receiver reads the ``suspects`` key only when a member
+shows a version it has not read, so steady state costs no DHT search (`membership.suspects`).
+
 Rate limits (`transport.ledger.RateLimiter`, optional, `GossipLimits`): every sender has a token
 bucket; a sender that is not a member (``is_member`` false: no valid signed record in our directory)
 gets a small one, and all such strangers together share one more, so a flood of fresh identities
@@ -75,6 +79,7 @@ class GossipItem(_Msg):
 
 class GossipRequest(_Msg):
     epoch: int = Field(ge=0, le=2**62)
+    suspects_version: int = Field(default=0, ge=0, le=2**62)  # the sender's published suspect reports
     view_digest: _Hex64
     bucket_digests: tuple[_Hex16, ...] = Field(max_length=MAX_BUCKETS)
     push_buckets: tuple[int, ...] = Field(default=(), max_length=MAX_BUCKETS)
@@ -83,6 +88,7 @@ class GossipRequest(_Msg):
 
 class GossipReply(_Msg):
     epoch: int = Field(ge=0, le=2**62)
+    suspects_version: int = Field(default=0, ge=0, le=2**62)
     view_digest: _Hex64
     differing: tuple[int, ...] = Field(default=(), max_length=MAX_BUCKETS)
     entries: tuple[GossipItem, ...] = Field(default=(), max_length=MAX_ITEMS)
@@ -164,6 +170,8 @@ class Gossiper:
         limits: GossipLimits | None = None,
         is_member: Callable[[str], bool] = lambda _peer_id: True,
         clock: Callable[[], float] = time.monotonic,
+        get_suspects_version: Callable[[], int] = lambda: 0,
+        on_suspects_version: Callable[[str, int], None] = lambda _peer_id, _version: None,
     ) -> None:
         self.rpc = rpc
         self.view = view
@@ -178,6 +186,8 @@ class Gossiper:
         self.num_failures = 0
         self._is_member = is_member
         self._clock = clock
+        self._get_suspects_version = get_suspects_version
+        self._on_suspects_version = on_suspects_version
         self._limits = limits
         if limits is not None:
             self._member_limiter = RateLimiter(rate_per_s=limits.member_rate_per_s, burst=limits.member_burst)
@@ -221,12 +231,20 @@ class Gossiper:
             raise InvalidMessage(f"{len(request.bucket_digests)} bucket digests, expected {num_buckets}")
         _check_items(request.push, request.push_buckets, num_buckets)
         self._hear(ctx.remote_peer_id, request.epoch, request.push)
-        reply_epoch, digest = self._get_epoch(), self.view.digest()
+        if request.suspects_version:
+            self._on_suspects_version(ctx.remote_peer_id, request.suspects_version)
+        reply_epoch, digest, version = self._get_epoch(), self.view.digest(), self._get_suspects_version()
         if request.push_buckets or request.view_digest == digest:
-            return GossipReply(epoch=reply_epoch, view_digest=digest)
+            return GossipReply(epoch=reply_epoch, view_digest=digest, suspects_version=version)
         differing = self.view.differing_buckets(request.bucket_digests)
         entries = tuple(GossipItem.of(i) for i in self.view.summary(differing))
-        return GossipReply(epoch=reply_epoch, view_digest=digest, differing=tuple(differing), entries=entries)
+        return GossipReply(
+            epoch=reply_epoch,
+            view_digest=digest,
+            differing=tuple(differing),
+            entries=entries,
+            suspects_version=version,
+        )
 
     def _request(self, push_buckets: Sequence[int] = (), push: Sequence[SummaryItem] = ()) -> GossipRequest:
         return GossipRequest(
@@ -235,6 +253,7 @@ class Gossiper:
             bucket_digests=tuple(self.view.bucket_digests()),
             push_buckets=tuple(push_buckets),
             push=tuple(GossipItem.of(i) for i in push),
+            suspects_version=self._get_suspects_version(),
         )
 
     async def exchange(self, peer_id: str) -> bool:
@@ -243,6 +262,8 @@ class Gossiper:
         self.bytes_sent += len(request.model_dump_json())
         reply = (await self.rpc.call(peer_id, GOSSIP_VIEW, request, timeout_s=self.call_timeout_s)).message
         self.num_contacts += 1
+        if reply.suspects_version:
+            self._on_suspects_version(peer_id, reply.suspects_version)
         if reply.view_digest == request.view_digest and not reply.differing:
             if reply.epoch > self._get_epoch():
                 self._on_epoch(peer_id, reply.epoch)

@@ -75,6 +75,9 @@ class SuspicionKeeper:
         self.read_period_s = read_period_s
         self._monotonic = monotonic
         self._read_at = -float("inf")
+        self._read_wanted = False
+        self._versions: dict[str, int] = {}  # reporter -> newest report version heard in gossip
+        self.version = 0  # of our own published report (milliseconds of the wall clock)
         self.wake = asyncio.Event()
         self.num_verified_dead = 0
         self.num_found_alive = 0
@@ -87,6 +90,12 @@ class SuspicionKeeper:
 
     async def _on_ping(self, request: MemberPing, tensors: object, ctx: CallContext) -> MemberPing:
         return MemberPing(epoch=self._get_epoch())
+
+    def heard_version(self, sender: str, version: int) -> None:
+        """Gossip says ``sender`` published a report of ``version``: read the board if it is new."""
+        if version > self._versions.get(sender, 0) and len(self._versions) < 100_000:
+            self._versions[sender] = version
+            self._read_wanted = True
 
     def report(self, peer_id: str, reason: str, *, kind: SuspectKind = SuspectKind.UNREACHABLE) -> None:
         """Our own suspicion: verified (unreachable) or taken as evidence (misbehaving) next round."""
@@ -138,13 +147,15 @@ class SuspicionKeeper:
 
     async def _read(self) -> None:
         now = self._monotonic()
-        if self.board is None or now - self._read_at < self.read_period_s:
+        if self.board is None or not self._read_wanted or now - self._read_at < self.read_period_s:
             return
         self._read_at = now
+        self._read_wanted = False
         try:
             reports = await asyncio.wait_for(self.board.read(), self.call_timeout_s)
         except (TimeoutError, OSError, TransportError) as exc:
             logger.debug("could not read suspect reports: %r", exc)
+            self._read_wanted = True
             return
         epoch = self._get_epoch()
         for reporter, report in reports.items():
@@ -179,5 +190,6 @@ class SuspicionKeeper:
         try:
             await asyncio.wait_for(self.board.publish(report, ttl_s=self.report_ttl_s), self.call_timeout_s)
             self._dirty = False
+            self.version = max(self.version + 1, int(self._clock() * 1000))
         except (TimeoutError, OSError, TransportError) as exc:
             logger.warning("could not publish suspect reports: %r", exc)
