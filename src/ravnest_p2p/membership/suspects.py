@@ -8,8 +8,8 @@ Protocol. Whoever suspects a peer calls `MembershipService.report_suspect`. The 
 on anybody's word, its own caller's included: it pings the suspect itself (`member_ping`, one call
 under ``call_timeout_s``) and only if that fails excludes the peer for ``exclude_for_s`` and opens a new
 epoch when the peer is a member of the active plan. It then publishes a `SuspectReport` (its list of
-current suspects) under its own signed subkey of ``suspects``; every other member reads the reports
-each round, pings each new suspect itself, and excludes it on the same evidence. Members that all see
+current suspects) under its own signed subkey of ``suspects`` and advertises the report's version in
+its gossip; a member that sees a version it has not read reads the reports, pings each new suspect itself, and excludes it on the same evidence. Members that all see
 the peer dead exclude it and, being in the same active epoch, open the same next epoch, so their views
 and the next plan agree within a few gossip rounds.
 
@@ -20,7 +20,8 @@ without a ping only from a witness that could have seen it (the suspect's pipeli
 active plan), at most one per reporter per epoch.
 
 Limits: a lying member can get each of its own plan neighbours excluded once per epoch; it stays in
-the plan itself, so it is the next witness's turn. Reports are read by polling the DHT every round.
+the plan itself, so it is the next witness's turn. Reports reach the others as fast as gossip
+spreads the version (a few rounds), then one DHT read each.
 """
 
 from __future__ import annotations
