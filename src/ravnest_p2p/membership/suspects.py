@@ -9,9 +9,10 @@ on anybody's word, its own caller's included: it pings the suspect itself (`memb
 under ``call_timeout_s``) and only if that fails excludes the peer for ``exclude_for_s`` and opens a new
 epoch when the peer is a member of the active plan. It then publishes a `SuspectReport` (its list of
 current suspects) under its own signed subkey of ``suspects`` and advertises the report's version in
-its gossip; a member that sees a version it has not read reads the reports, pings each new suspect itself, and excludes it on the same evidence. Members that all see
-the peer dead exclude it and, being in the same active epoch, open the same next epoch, so their views
-and the next plan agree within a few gossip rounds.
+its gossip; a member that sees a version it has not read reads the reports, pings each new suspect
+itself, and excludes it on the same evidence. Members that all see the peer dead exclude it and,
+being in the same active epoch, open the same next epoch, so their views and the next plan agree
+within a few gossip rounds.
 
 Misbehaviour is different: an alive peer that keeps sending refused messages answers pings. The
 witness (the stage whose `PeerLedger` excluded it) excludes it on its own evidence
