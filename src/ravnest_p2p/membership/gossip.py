@@ -149,6 +149,26 @@ def _check_items(items: Sequence[GossipItem], buckets: Sequence[int], num_bucket
         raise InvalidMessage("duplicate peer ids")
 
 
+def _fit_buckets(
+    buckets: Sequence[int], items_of: Callable[[list[int]], list[SummaryItem]], max_items: int
+) -> tuple[list[int], list[SummaryItem]]:
+    """The longest prefix of `buckets` whose items fit one message (`max_items`), and those items.
+
+    A view of more peers than a message holds reconciles over several rounds, a prefix of the differing
+    buckets at a time, instead of sending a message the receiver must refuse. One bucket larger than a
+    message (more than ``max_items x num_buckets`` peers) cannot converge: raise ``num_buckets``.
+    """
+    kept: list[int] = []
+    items: list[SummaryItem] = []
+    for bucket in buckets:
+        more = items_of([bucket])
+        if len(items) + len(more) > max_items:
+            break
+        kept.append(bucket)
+        items.extend(more)
+    return kept, items
+
+
 class Gossiper:
     """Runs the `gossip_view` protocol for one view.
 
@@ -245,8 +265,10 @@ class Gossiper:
         reply_epoch, digest, version = self._get_epoch(), self.view.digest(), self._get_suspects_version()
         if request.push_buckets or request.view_digest == digest:
             return GossipReply(epoch=reply_epoch, view_digest=digest, suspects_version=version)
-        differing = self.view.differing_buckets(request.bucket_digests)
-        entries = tuple(GossipItem.of(i) for i in self.view.summary(differing))
+        differing, items = _fit_buckets(
+            self.view.differing_buckets(request.bucket_digests), self.view.summary, MAX_ITEMS
+        )
+        entries = tuple(GossipItem.of(i) for i in items)
         return GossipReply(
             epoch=reply_epoch,
             view_digest=digest,
@@ -285,7 +307,13 @@ class Gossiper:
         they_need, _ = self.view.diff(remote, reply.differing)
         self._hear(peer_id, reply.epoch, reply.entries)
         if they_need or reply.epoch < self._get_epoch():
-            push = self._request(reply.differing, they_need)
+            need: dict[int, list[SummaryItem]] = {}
+            for item in they_need:
+                need.setdefault(bucket_of(item.peer_id, self.view.num_buckets), []).append(item)
+            buckets, items = _fit_buckets(
+                list(reply.differing), lambda bs: [i for b in bs for i in need.get(b, [])], MAX_ITEMS
+            )
+            push = self._request(buckets, items)
             self.bytes_sent += len(push.model_dump_json())
             await self.rpc.call(peer_id, GOSSIP_VIEW, push, timeout_s=self.call_timeout_s)
         return False

@@ -127,6 +127,8 @@ class ReplicaAverager:
         self.final_done = False
 
     async def start(self) -> None:
+        # before the first round: only this map's ring members may open early streams to us
+        self.rings.expect(self.shard_map)
         await self.rings.start()
         if self.period_s > 0:
             self._tasks.spawn(self._clock(), name="clock")

@@ -97,3 +97,42 @@ async def test_malformed_gossip_is_refused_and_state_untouched():
         assert err.value.code == "invalid_message"
     assert a.view.digest() == digest_before
     assert await b.exchange("peer000") is False  # and it still serves good requests
+
+
+async def test_a_view_larger_than_one_message_reconciles_over_rounds():
+    """2,500 entries (> MAX_ITEMS per message): each reply carries a prefix of the differing buckets."""
+    from ravnest_p2p.membership.gossip import MAX_ITEMS
+
+    net = FakeNetwork()
+    big = MembershipView(num_buckets=16)
+    for i in range(2500):
+        big.merge(f"p{i:05d}", ViewEntry(1.0, CAPS[i % 4]))
+    small = MembershipView(num_buckets=16)
+    learned: list[int] = []
+
+    def adopt(sender, items):
+        learned.append(len(items))
+        for item in items:
+            small.merge(item.peer_id, ViewEntry(1.0, CAPS[int(item.peer_id[1:]) % 4]))
+
+    def gossiper(pid, view, on_news):
+        return Gossiper(
+            RpcEndpoint(net.create(pid), "run"),
+            view,
+            get_epoch=lambda: 0,
+            on_epoch=lambda sender, e: None,
+            on_news=on_news,
+            fanout=1,
+            call_timeout_s=1.0,
+            rng=random.Random(0),
+        )
+
+    server = gossiper("p00000", big, lambda sender, items: None)
+    client = gossiper("newcomer", small, adopt)
+    await server.serve()
+    for _ in range(10):
+        if small.digest() == big.digest():
+            break
+        await client.exchange("p00000")
+    assert small.live_ids() == big.live_ids()
+    assert len(learned) >= 3 and max(learned) <= MAX_ITEMS
