@@ -11,14 +11,15 @@ import logging
 from collections.abc import Callable, Sequence
 from types import TracebackType
 
-from ravnest_p2p.discovery import PeerDirectory, PeerRecord, RunDHT
+from ravnest_p2p.discovery import PeerDirectory, PeerRecord, RunDHT, dht_time
 from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import StageMetrics, metrics_key
 from ravnest_p2p.training.placement import plan_assignment
-from ravnest_p2p.training.runner import JOB_KEY
+from ravnest_p2p.training.progress import JobProgress, ProgressView, publish_progress, read_progress
+from ravnest_p2p.training.runner import JOB_KEY, read_job_signed
 
-__all__ = ["RunClient", "newest_epoch"]
+__all__ = ["RunClient", "current_plan_done", "newest_epoch"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,22 @@ def _job_done(metrics: Sequence[StageMetrics], num_clusters: int | None) -> bool
     # done (and at least one)
     expected = num_clusters or len({m.cluster for m in metrics})
     return bool(firsts) and len(firsts) >= expected
+
+
+def current_plan_done(metrics: Sequence[StageMetrics], records: Sequence[PeerRecord]) -> bool:
+    """Whether every first stage of the swarm's CURRENT plan reports the job done (agreed-plan jobs).
+
+    The current plan is the newest epoch the live peers' records name; its first stages are the live
+    peers at stage 0 of it. A dead peer has no live record, so it is never waited on; metrics of older
+    epochs do not count. False while no live peer names a first stage.
+    """
+    placed = [r for r in records if r.stage is not None and r.cluster is not None]
+    if not placed:
+        return False
+    epoch = max(r.epoch for r in placed)
+    firsts = {r.peer_id for r in placed if r.epoch == epoch and r.stage == 0}
+    done = {m.peer_id for m in metrics if m.epoch == epoch and m.stage == 0 and m.done}
+    return bool(firsts) and firsts <= done
 
 
 class RunClient:
@@ -114,6 +131,46 @@ class RunClient:
                     latest[key] = m
         return sorted(latest.values(), key=lambda m: (m.cluster, m.stage))
 
+    async def progress(self, job_id: str) -> ProgressView | None:
+        """The job's merged progress record (`training.progress`): data position, steps, done/ended."""
+        found = await read_job_signed(self.dht)
+        owner = found[0] if found is not None and found[1].job_id == job_id else None
+        return await read_progress(self.dht, job_id, owner_peer_id=owner)
+
+    async def stop_job(self, job_id: str, *, ttl_s: float = 3600.0) -> None:
+        """Ask the peers to stop `job_id`: each cluster finishes (evaluates, reports done) soon after.
+
+        Only a stop signed by the key that published the job counts, i.e. this client's connection
+        (a new `RunClient` has a new key).
+        """
+        assert self.dht.transport is not None
+        record = JobProgress(
+            job_id=job_id,
+            peer_id=self.dht.transport.peer_id,
+            stopped=True,
+            ended=True,
+            reason="stopped by its owner",
+            updated_at=dht_time(),
+        )
+        if not await publish_progress(self.dht, record, final=True):
+            raise RavnestError("no DHT peer accepted the stop request")
+        logger.info("asked the peers to stop job %s", job_id)
+
+    async def _poll_job(self, job: JobSpec) -> tuple[list[StageMetrics], bool]:
+        """(metrics to show, done) of one poll of `job` (raises `RavnestError` if the job failed)."""
+        metrics = await self.metrics(job_id=job.job_id)
+        if job.assignment is not None:
+            # an explicit assignment: a fixed set of clusters on epoch 0
+            current = newest_epoch(metrics)
+            return current, _job_done(current, len(job.assignment))
+        progress = await self.progress(job.job_id)
+        if progress is not None and progress.done:
+            return newest_epoch(metrics), True
+        if progress is not None and progress.ended:
+            raise RavnestError(f"job {job.job_id} ended: {progress.reason}")
+        records = await self.peers()
+        return newest_epoch(metrics), current_plan_done(metrics, records)
+
     async def wait_for_job(
         self,
         job: JobSpec,
@@ -122,8 +179,12 @@ class RunClient:
         poll_s: float = 2.0,
         on_progress: Callable[[list[StageMetrics]], None] | None = None,
     ) -> list[StageMetrics]:
-        """Poll metrics until every first stage of the job reports done; return the final metrics."""
-        num_clusters = len(job.assignment) if job.assignment else None
+        """Poll until the job is done; return its newest metrics.
+
+        Done: the job's progress record says done, or every first stage of the CURRENT plan reports
+        done (a job without assignment follows the job across re-plans and never waits on a dead peer);
+        with an explicit assignment, every first stage of it reports done.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
@@ -131,15 +192,14 @@ class RunClient:
                 # one poll may not hang the wait: a lab run's client idled for 420 s after every stage had
                 # stored done (a fresh client read it at once); a poll past its share is abandoned
                 async with asyncio.timeout(_POLL_TIMEOUT_S):
-                    metrics = newest_epoch(await self.metrics(job_id=job.job_id))
+                    metrics, done = await self._poll_job(job)
             except TimeoutError:
                 logger.warning("reading the metrics of job %s took too long; polling again", job.job_id)
-                metrics = None
-            if metrics is not None:
-                if on_progress is not None:
-                    on_progress(metrics)
-                if _job_done(metrics, num_clusters):
-                    return metrics
+                metrics, done = None, False
+            if metrics is not None and on_progress is not None:
+                on_progress(metrics)
+            if done and metrics is not None:
+                return metrics
             if loop.time() > deadline:
                 raise TimeoutError(f"job {job.job_id} not done after {timeout_s:.0f}s")
             await asyncio.sleep(poll_s)

@@ -1,0 +1,391 @@
+"""`JobSupervisor`: the one owner of a job's life on this peer.
+
+Life cycle, one pass per poll: read the run's job (and its signer, the job's owner) -> read the job's
+progress -> compute this peer's role (`role_for`, on the job's explicit assignment or the swarm's agreed
+plan) -> decide whether it may start (`progress.may_start`: never an ended or superseded job, never a
+pipeline that already moved without us) -> assemble the role's starting state (`resume`) -> run the
+stage -> on a new plan, keep the stage's state and start over on the new role with it; on the owner's
+stop, let the run finish as done; on a failure, keep the state and wait for the next plan (an agreed
+plan routes around the fault) or end the job (an explicit assignment cannot).
+
+Why one owner: the job loop used to live in the node and re-derive the role, restart from the initial
+weights on every plan change, and forget in a restarted process that a job had ended. Here the life
+cycle is one object over injected seams (DHT, plan source, runner factory, state source, suspect
+reporter), unit-tested with in-memory fakes; `node.py` only wires the real ones.
+
+Known limits (see docs/elastic.md): every stage of every cluster restarts on a new plan (clusters that
+did not change are not kept running); state moves between peers only through a `StateSource`, which the
+checkpoint helper's `fetch_state` provides; without one, a stage keeps what this process held and other
+layers start from the initial weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Collection
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ravnest_p2p.planning import JobParams, Plan
+from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.progress import (
+    JobProgress,
+    ProgressStore,
+    ProgressView,
+    may_start,
+    publish_progress,
+    read_progress,
+)
+from ravnest_p2p.training.resume import HeldState, StateSource, gather_state, state_sources
+from ravnest_p2p.training.role import Assignment, StageRole, role_for
+from ravnest_p2p.training.runner import read_job_signed
+from ravnest_p2p.types import LayerProfile, PeerState
+from ravnest_p2p.utils import TaskOwner
+
+__all__ = [
+    "JobSupervisor",
+    "PlanSource",
+    "RunnerFactory",
+    "StageRun",
+    "SupervisorConfig",
+    "SuspectReporter",
+    "rerun_allowed",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def rerun_allowed(failed_epoch: int | None, plan_epoch: int) -> bool:
+    """Whether a job on the agreed plan may run on `plan_epoch` here, given the epoch it failed on.
+
+    A failed job is retried only on a newer plan: the same plan would fail the same way (e.g. a dead
+    stage in our cluster), and a plan is how the swarm routes around the fault.
+    """
+    return failed_epoch is None or plan_epoch > failed_epoch
+
+
+class SupervisorConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    poll_s: float = Field(default=2.0, gt=0, description="how often the job, plan and progress are read")
+    read_timeout_s: float = Field(default=20.0, gt=0, description="one DHT read of the job or progress")
+    drain_grace_s: float = Field(default=30.0, ge=0, description="a leaving peer serves its state this long")
+
+
+class PlanSource(Protocol):
+    """The membership service, as the supervisor sees it."""
+
+    @property
+    def active_plan(self) -> Plan | None: ...
+
+    @property
+    def active_workload(self) -> str | None: ...
+
+    def set_workload(self, key: str, job: JobParams, layers: list[LayerProfile]) -> None: ...
+
+
+class SuspectReporter(Protocol):
+    """Tells the membership a peer looks dead, so it re-plans without waiting for the record to expire."""
+
+    async def report_suspect(self, peer_id: str, reason: str) -> None: ...
+
+
+class StageRun(Protocol):
+    """A runner for one role (`runner.StageRunner`; tests pass fakes)."""
+
+    stop_requested: asyncio.Event
+    held_state: HeldState | None
+
+    async def run(self) -> Any: ...
+
+
+RunnerFactory = Callable[[JobSpec, StageRole, "HeldState | None"], StageRun]
+WorkloadFactory = Callable[[JobSpec], Awaitable[tuple[JobParams, list[LayerProfile]]]]
+
+
+def _lost_neighbour(exc: BaseException) -> str | None:
+    """The dead neighbour a stage failure names, if it names one.
+
+    Switch on with the pipeline helper's typed error (`errors.NeighbourLost(peer_id)`) once merged.
+    """
+    peer_id = getattr(exc, "peer_id", None)  # NeighbourLost carries it; other errors do not
+    return peer_id if isinstance(peer_id, str) else None
+
+
+class JobSupervisor:
+    """Drives this peer's part of the run's job across plans (see module docstring).
+
+    Args:
+        config: poll period, read deadline, drain grace.
+        peer_id: this peer.
+        dht: job, progress (and, through the runner, metrics) live here.
+        plans: the membership's agreed plans (None: only explicit assignments run).
+        workload: (job params, layer profile) of a job, for the membership to plan with.
+        start_runner: builds the runner of a role from its starting state.
+        state_source: fetches other peers' stage state and checkpoints (None: only our own).
+        suspects: reports a dead neighbour to the membership (None: wait for the record to expire).
+        alive: the peers believed alive now (None: every member of the previous plan).
+        prepare: awaited before a role runs (e.g. learn its peers' addresses).
+        on_state: told when this peer starts/stops training or drains (the announcer's record).
+    """
+
+    def __init__(
+        self,
+        config: SupervisorConfig,
+        *,
+        peer_id: str,
+        dht: ProgressStore,
+        plans: PlanSource | None,
+        workload: WorkloadFactory | None,
+        start_runner: RunnerFactory,
+        state_source: StateSource | None = None,
+        suspects: SuspectReporter | None = None,
+        alive: Callable[[], Collection[str]] | None = None,
+        prepare: Callable[[StageRole], Awaitable[None]] | None = None,
+        on_state: Callable[[PeerState], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.peer_id = peer_id
+        self.dht = dht
+        self.plans = plans
+        self.workload = workload
+        self.start_runner = start_runner
+        self.state_source = state_source
+        self.suspects = suspects
+        self.alive = alive
+        self.prepare = prepare
+        self.on_state = on_state
+        self.finished: set[str] = set()  # jobs this peer will not run again
+        self.role: StageRole | None = None
+        self.runner: StageRun | None = None
+        self.last_origin: dict[str, str] = {}  # where the last run's state came from, by layer span
+        self.runs: list[StageRole] = []  # every role this supervisor started, in order (tests, status)
+        self._failed_epoch: dict[str, int] = {}
+        self._ran: set[tuple[str, int]] = set()  # (job, epoch) this process started
+        self._held: dict[str, HeldState] = {}  # job -> the stage state this process holds
+        self._previous: dict[str, Assignment] = {}  # job -> the assignment of the plan it last ran on
+        self._workload_job: str | None = None
+        self._refused: tuple[str, int] | None = None
+        self._draining = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tasks = TaskOwner(f"supervisor-{peer_id[-6:]}")
+
+    # ----- the loop --------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Supervise jobs until cancelled or drained."""
+        while not self._draining.is_set():
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # one bad pass (a DHT hiccup, a bad record) never ends the loop
+                logger.warning("job supervision pass failed: %r", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._draining.wait(), self.config.poll_s)
+
+    async def step(self) -> StageRole | None:
+        """One pass: read the job, compute the role, and run it if allowed (returns the role run)."""
+        found = await self._read(read_job_signed(self.dht))
+        if found is None:
+            return None
+        owner, job = found
+        if job.job_id in self.finished:
+            return None
+        progress = await self._read(read_progress(self.dht, job.job_id, owner_peer_id=owner))
+        role = await self._role(job, progress)
+        if role is None:
+            if progress is not None and progress.finished:
+                self.finished.add(job.job_id)
+            return None
+        allowed, why = may_start(
+            progress, epoch=role.epoch, holds_state=(job.job_id, role.epoch) in self._ran
+        )
+        if not allowed:
+            if progress is not None and progress.finished:
+                self.finished.add(job.job_id)
+            if self._refused != (job.job_id, role.epoch):
+                self._refused = (job.job_id, role.epoch)
+                logger.info("job %s: not running stage %d here: %s", job.job_id, role.stage_index, why)
+            return None
+        if role.on_agreed_plan and not rerun_allowed(self._failed_epoch.get(job.job_id), role.epoch):
+            return None
+        await self._run(job, owner, role)
+        return role
+
+    async def _read(self, coro: Awaitable[Any]) -> Any:
+        try:
+            async with asyncio.timeout(self.config.read_timeout_s):
+                return await coro
+        except Exception as exc:
+            logger.debug("reading the job state failed: %r", exc)
+            return None
+
+    async def _role(self, job: JobSpec, progress: ProgressView | None) -> StageRole | None:
+        if job.assignment is not None:
+            return role_for(job, None, self.peer_id, progress=progress)
+        if self.plans is None or self.workload is None:
+            return None
+        if self._workload_job != job.job_id:
+            params, layers = await self.workload(job)
+            self.plans.set_workload(job.job_id, params, layers)
+            self._workload_job = job.job_id
+        plan = self.plans.active_plan
+        if plan is None or self.plans.active_workload != job.job_id:
+            return None
+        return role_for(job, plan, self.peer_id, progress=progress)
+
+    # ----- one run -----------------------------------------------------------------------------------
+    async def _starting_state(self, role: StageRole) -> HeldState | None:
+        held = self._held.get(role.job_id)
+        previous = self._previous.get(role.job_id)
+        if previous is None:
+            return None
+        alive = set(self.alive()) if self.alive is not None else {s.peer_id for c in previous for s in c}
+        allowed = frozenset(s.peer_id for c in previous for s in c)
+        segments = state_sources(previous, role, alive=alive)
+        state, self.last_origin = await gather_state(
+            role, segments, held=held, source=self.state_source, allowed=allowed
+        )
+        logger.info("job %s: stage state from %s", role.job_id, self.last_origin)
+        return state
+
+    async def _run(self, job: JobSpec, owner: str, role: StageRole) -> None:
+        logger.info(
+            "job %s: stage %d of %d in cluster %d (epoch %d, from micro-batch %d)",
+            job.job_id,
+            role.stage_index,
+            role.num_stages,
+            role.cluster_index,
+            role.epoch,
+            role.data_start,
+        )
+        self.role = role
+        self.runs.append(role)
+        self._ran.add((job.job_id, role.epoch))
+        self._set_state(PeerState.TRAINING)
+        self._idle.clear()
+        try:
+            if self.prepare is not None:
+                await self.prepare(role)
+            state = await self._starting_state(role)
+            runner = self.runner = self.start_runner(job, role, state)
+            task = self._tasks.spawn(runner.run(), name=f"job-{job.job_id}-{role.epoch}")
+            try:
+                await self._watch(job, owner, role, runner, task)
+            except asyncio.CancelledError:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                raise
+        finally:
+            self._idle.set()
+            self._set_state(PeerState.READY if not self._draining.is_set() else PeerState.DRAINING)
+
+    async def _watch(
+        self, job: JobSpec, owner: str, role: StageRole, runner: StageRun, task: asyncio.Task[Any]
+    ) -> None:
+        while not task.done():
+            await asyncio.wait({task}, timeout=self.config.poll_s)
+            if task.done():
+                break
+            plan = self.plans.active_plan if self.plans is not None else None
+            if self._draining.is_set() or (
+                role.on_agreed_plan and plan is not None and plan.epoch != role.epoch
+            ):
+                why = (
+                    "draining"
+                    if self._draining.is_set()
+                    else f"plan moved to epoch {plan.epoch if plan else '?'}"
+                )
+                logger.info("job %s: %s; handing the stage over", job.job_id, why)
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                self._keep(role, runner)
+                return
+            progress = await self._read(read_progress(self.dht, job.job_id, owner_peer_id=owner))
+            if progress is not None and progress.stopped and not runner.stop_requested.is_set():
+                logger.info("job %s: stopped by its owner; finishing", job.job_id)
+                runner.stop_requested.set()
+        try:
+            task.result()
+        except Exception as exc:
+            self._keep(role, runner)
+            await self._on_failure(job, role, exc)
+            return
+        self._keep(role, runner)
+        self.finished.add(job.job_id)
+        logger.info("job %s finished here", job.job_id)
+
+    def _keep(self, role: StageRole, runner: StageRun) -> None:
+        if runner.held_state is not None:
+            self._held[role.job_id] = runner.held_state
+        self._previous[role.job_id] = role.assignment
+
+    async def _on_failure(self, job: JobSpec, role: StageRole, exc: BaseException) -> None:
+        logger.error("job %s failed on this peer: %s", job.job_id, exc)
+        lost = _lost_neighbour(exc)
+        if lost is not None and self.suspects is not None:
+            try:
+                await self.suspects.report_suspect(lost, f"stage {role.stage_index}: {exc}"[:200])
+            except Exception as report_exc:
+                logger.debug("suspect report failed: %r", report_exc)
+        if role.on_agreed_plan:
+            # e.g. a pipeline partner died: the swarm re-plans without it, and we run again there
+            self._failed_epoch[job.job_id] = role.epoch
+            return
+        # an explicit assignment cannot route around the fault: the job has ended (a peer restarted
+        # with the same identity must not pick it back up)
+        self.finished.add(job.job_id)
+        record = JobProgress(
+            job_id=job.job_id,
+            peer_id=self.peer_id,
+            epoch=role.epoch,
+            cluster=role.cluster_index,
+            num_clusters=role.num_clusters,
+            ended=True,
+            reason=f"stage {role.stage_index} of cluster {role.cluster_index} failed: {exc}"[:500],
+        )
+        await publish_progress(self.dht, record, final=True)
+
+    def _set_state(self, state: PeerState) -> None:
+        if self.on_state is not None:
+            self.on_state(state)
+
+    # ----- leaving -----------------------------------------------------------------------------------
+    def held(self, job_id: str) -> HeldState | None:
+        """The stage state this process holds for `job_id` (what a hand-over server serves)."""
+        return self._held.get(job_id)
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Leave gracefully: stop training, announce draining, keep the state for the new owners.
+
+        Returns once the swarm's plan no longer names this peer, or after `grace_s` (default the
+        config's `drain_grace_s`), whichever comes first; the caller then closes the peer.
+        """
+        grace = self.config.drain_grace_s if grace_s is None else grace_s
+        self._draining.set()
+        self._set_state(PeerState.DRAINING)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        # the watch loop hands the stage over within a poll (the runner captures its state when cancelled)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - loop.time()))
+        start_epoch = self.role.epoch if self.role is not None else None
+        while loop.time() < deadline:
+            plan = self.plans.active_plan if self.plans is not None else None
+            if plan is None or start_epoch is None or self.role is None or not self.role.on_agreed_plan:
+                return
+            if plan.epoch != start_epoch and self.peer_id not in {
+                p for c in plan.clusters for p in c.peer_ids
+            }:
+                return
+            await asyncio.sleep(min(0.5, self.config.poll_s))  # polls the plan, bounded by the grace
+
+    async def aclose(self) -> None:
+        self._draining.set()
+        await self._tasks.aclose()
