@@ -1,0 +1,286 @@
+"""JobSupervisor's life cycle against in-memory fakes: read job -> role -> run -> hand over -> re-plan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+
+from ravnest_p2p.planning import JobParams
+from ravnest_p2p.training.job import JobSpec, StagePlacement
+from ravnest_p2p.training.progress import PROGRESS_KEY, JobProgress, publish_progress, read_progress
+from ravnest_p2p.training.placement import assignment_from_plan
+from ravnest_p2p.training.resume import Segment, gather_state, state_sources
+from ravnest_p2p.training.role import role_for
+from ravnest_p2p.training.runner import JOB_KEY
+from ravnest_p2p.training.supervisor import JobSupervisor, SupervisorConfig
+from ravnest_p2p.types import PeerState
+from ravnest_p2p.utils import wait_until
+
+from ._fakes import FakeDHT, FakePlans, FakeRunners, FakeStateSource, make_plan
+
+pytestmark = pytest.mark.timeout(30)
+
+JOB = JobSpec(
+    job_id="j",
+    model="mlp",
+    dataset="synthetic_classification",
+    dataset_config={"num_samples": 256, "in_features": 16, "num_classes": 4},
+    model_params={"in_features": 16, "hidden_features": [32, 32], "out_features": 4},
+    batch_size=16,
+)
+ASSIGNED = JOB.model_copy(
+    update={
+        "assignment": (
+            (
+                StagePlacement(peer_id="a", first_layer=0, end_layer=1),
+                StagePlacement(peer_id="me", first_layer=1, end_layer=3),
+            ),
+        )
+    }
+)
+
+
+async def _workload(job: JobSpec) -> tuple[JobParams, list[Any]]:
+    return JobParams(micro_batch_size=job.batch_size), []
+
+
+class Suspects:
+    def __init__(self) -> None:
+        self.reports: list[tuple[str, str]] = []
+
+    async def report_suspect(self, peer_id: str, reason: str) -> None:
+        self.reports.append((peer_id, reason))
+
+
+class NeighbourGone(Exception):
+    def __init__(self, peer_id: str) -> None:
+        super().__init__(f"neighbour {peer_id} lost")
+        self.peer_id = peer_id
+
+
+async def publish(dht: FakeDHT, job: JobSpec) -> FakeDHT:
+    owner = dht.as_signer("owner")
+    await owner.store_own(JOB_KEY, job.to_wire(), ttl_s=600)
+    return owner
+
+
+def supervisor(dht: FakeDHT, runners: FakeRunners, *, plans: FakePlans | None = None, **kw: Any):
+    states: list[PeerState] = []
+    sup = JobSupervisor(
+        SupervisorConfig(poll_s=0.02, read_timeout_s=2.0, drain_grace_s=5.0),
+        peer_id=dht.signer,
+        dht=dht,
+        plans=plans,
+        workload=_workload,
+        start_runner=runners,
+        on_state=states.append,
+        **kw,
+    )
+    return sup, states
+
+
+@contextlib.asynccontextmanager
+async def running(sup: JobSupervisor):
+    task = asyncio.create_task(sup.run())
+    try:
+        yield task
+    finally:
+        await sup.aclose()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_an_assigned_job_runs_once_and_is_not_run_again():
+    dht, runners = FakeDHT("me"), FakeRunners()
+    await publish(dht, ASSIGNED)
+    sup, states = supervisor(dht, runners)
+    async with running(sup):
+        await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run")
+        run = runners.made[0]
+        assert run.role.stage_index == 1 and run.role.epoch == 0 and run.initial_state is None
+        run.finish.set()
+        await wait_until(lambda: "j" in sup.finished, 5, message="finished")
+        await asyncio.sleep(0.1)  # several more polls: nothing new starts
+    assert len(runners.made) == 1
+    assert states[:1] == [PeerState.TRAINING] and states[-1] == PeerState.READY
+    assert await sup.step() is None
+
+
+async def test_no_job_and_a_job_not_naming_us_start_nothing():
+    dht, runners = FakeDHT("stranger"), FakeRunners()
+    sup, _ = supervisor(dht, runners)
+    assert await sup.step() is None
+    await publish(dht, ASSIGNED)
+    assert await sup.step() is None
+    assert runners.made == []
+
+
+async def test_a_restarted_peer_does_not_take_a_stage_of_a_pipeline_that_moved_on():
+    """The bug: a peer SIGKILLed and restarted with the same identity sat in `training` on a dead job."""
+    dht, runners = FakeDHT("me"), FakeRunners()
+    await publish(dht, ASSIGNED)
+    first_stage = dht.as_signer("a")
+    await publish_progress(first_stage, JobProgress(job_id="j", peer_id="a", cluster=0, micro_batches=40))
+    sup, states = supervisor(dht, runners)  # a fresh process: it never ran epoch 0 of this job
+    assert await sup.step() is None
+    assert runners.made == [] and PeerState.TRAINING not in states
+    # once the survivors report the job ended, it is never picked up again
+    await publish_progress(
+        first_stage, JobProgress(job_id="j", peer_id="a", cluster=0, micro_batches=41, ended=True, reason="x")
+    )
+    assert await sup.step() is None
+    assert "j" in sup.finished
+
+
+async def test_a_failed_stage_on_an_assignment_ends_the_job_and_reports_the_lost_neighbour():
+    dht, runners, suspects = FakeDHT("me"), FakeRunners(), Suspects()
+    await publish(dht, ASSIGNED)
+    sup, _ = supervisor(dht, runners, suspects=suspects)
+    async with running(sup):
+        await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run")
+        runners.made[0].fail = NeighbourGone("a")
+        runners.made[0].finish.set()
+        await wait_until(lambda: "j" in sup.finished, 5, message="ended")
+    assert suspects.reports and suspects.reports[0][0] == "a"
+    view = await read_progress(dht, "j", owner_peer_id="owner")
+    assert view is not None and view.ended and "failed" in (view.reason or "")
+    # a restarted process with the same identity reads that and stays out
+    again, _ = supervisor(FakeDHT("me", dht.store), FakeRunners())
+    assert await again.step() is None and "j" in again.finished
+
+
+async def test_a_new_plan_hands_the_stage_over_from_the_right_sources():
+    dht, runners, plans = FakeDHT("me"), FakeRunners(tag=100.0), FakePlans()
+    await publish(dht, JOB)
+    plans.active_workload = "j"
+    plans.active_plan = make_plan(1, [("me", 0, 2), ("b", 2, 3)], [("c", 0, 1), ("d", 1, 3)])
+    source = FakeStateSource({"c": 300.0, "d": 400.0, "b": 200.0})
+    alive = {"me", "c", "d"}  # b died
+    sup, _ = supervisor(dht, runners, plans=plans, state_source=source, alive=lambda: alive)
+    async with running(sup):
+        await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run 1")
+        assert plans.workloads == ["j"]
+        first = runners.made[0]
+        assert (first.role.epoch, first.role.first_layer, first.role.end_layer) == (1, 0, 2)
+        assert first.initial_state is None and source.calls == []  # the job's first plan: nothing to move
+        # b is lost: the swarm re-plans; we now own layers [0, 3) of cluster 0
+        plans.active_plan = make_plan(2, [("me", 0, 3)], [("c", 0, 1), ("d", 1, 3)])
+        await wait_until(
+            lambda: len(runners.made) == 2 and runners.made[1].started.is_set(), 5, message="run 2"
+        )
+    assert first.cancelled
+    second = runners.made[1]
+    assert (second.role.epoch, second.role.first_layer, second.role.end_layer) == (2, 0, 3)
+    # layers 0-1: our own copy (no call); layer 2: b is dead, so its replica in cluster 1 (d)
+    assert [(p, f, e) for p, f, e, _ in source.calls] == [("d", 2, 3)]
+    assert source.calls[0][3] == {"me", "b", "c", "d"}  # only members of the previous plan
+    tensors = second.initial_state["tensors"]
+    assert torch.equal(tensors["0.weight"], torch.full((2,), 100.0))  # ours
+    assert torch.equal(tensors["2.weight"], torch.full((2,), 402.0))  # d's
+    assert sup.last_origin == {"0-1": "me", "1-2": "me", "2-3": "d"}
+
+
+async def test_an_unchanged_stage_resumes_its_whole_state_and_lost_layers_fall_back_to_a_checkpoint():
+    dht, runners, plans = FakeDHT("me"), FakeRunners(), FakePlans()
+    await publish(dht, JOB)
+    plans.active_workload = "j"
+    plans.active_plan = make_plan(1, [("me", 0, 1), ("b", 1, 3)])
+    source = FakeStateSource({}, checkpoint_tag=700.0)
+    sup, _ = supervisor(dht, runners, plans=plans, state_source=source, alive=lambda: {"me", "c"})
+    async with running(sup):
+        await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run 1")
+        plans.active_plan = make_plan(2, [("me", 0, 1), ("c", 1, 3)])
+        await wait_until(lambda: len(runners.made) == 2, 5, message="run 2")
+    second = runners.made[1]
+    assert second.initial_state is runners.made[0].held_state  # same range: the whole state, optimizer too
+    assert sup.last_origin == {"0-1": "self (full)"}
+    # c, the new owner of [1, 3), finds no live previous owner (b died, one cluster): the checkpoint
+    role = role_for(JOB, plans.active_plan, "c", num_train_samples=204)
+    assert role is not None
+    previous = assignment_from_plan(make_plan(1, [("me", 0, 1), ("b", 1, 3)]))
+    segments = state_sources(previous, role, alive={"me", "c"})
+    assert segments == [Segment(1, 3, ())]
+    state, origin = await gather_state(
+        role, segments, held=None, source=source, allowed=frozenset({"me", "b"})
+    )
+    assert origin == {"1-3": "checkpoint"} and source.checkpoint_calls == [(1, 3)]
+    assert state is not None and torch.equal(state["tensors"]["2.weight"], torch.full((2,), 702.0))
+    # and with no checkpoint either, the layers start from the initial weights (no state at all)
+    state, origin = await gather_state(role, segments, held=None, source=None, allowed=frozenset())
+    assert state is None and origin == {"1-3": "initial weights"}
+
+
+def test_sources_prefer_our_copy_then_the_same_cluster_then_replicas_and_skip_the_dead():
+    previous = assignment_from_plan(
+        make_plan(1, [("a", 0, 1), ("b", 1, 3)], [("c", 0, 2), ("d", 2, 3)], [("e", 0, 3)])
+    )
+    role = role_for(JOB, make_plan(2, [("x", 0, 3)], [("c", 0, 3)]), "c", num_train_samples=204)
+    assert role is not None and role.cluster_index == 1
+    # ours first (c held 0-1 in cluster 1), then the same cluster index's owner, then clusters 0 and 2
+    assert state_sources(previous, role, alive={"a", "b", "d", "e"}) == [
+        Segment(0, 1, ("c", "a", "e")),
+        Segment(1, 2, ("c", "b", "e")),
+        Segment(2, 3, ("d", "b", "e")),
+    ]
+    assert state_sources(previous, role, alive={"a", "e"}) == [  # b and d died
+        Segment(0, 1, ("c", "a", "e")),
+        Segment(1, 2, ("c", "e")),
+        Segment(2, 3, ("e",)),
+    ]
+
+
+async def test_a_failure_on_the_agreed_plan_waits_for_the_next_plan_and_resumes_there():
+    dht, runners, plans = FakeDHT("me"), FakeRunners(), FakePlans()
+    await publish(dht, JOB)
+    plans.active_workload = "j"
+    plans.active_plan = make_plan(1, [("me", 0, 3)])
+    sup, _ = supervisor(dht, runners, plans=plans)
+    async with running(sup):
+        await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run 1")
+        runners.made[0].fail = RuntimeError("boom")
+        runners.made[0].finish.set()
+        await asyncio.sleep(0.15)  # several polls on the same plan: no retry there
+        assert len(runners.made) == 1
+        plans.active_plan = make_plan(2, [("me", 0, 3)])
+        await wait_until(lambda: len(runners.made) == 2, 5, message="run on the next plan")
+    assert runners.made[1].initial_state is runners.made[0].held_state
+    assert "j" not in sup.finished
+
+
+async def test_the_owners_stop_reaches_the_runner_and_stops_nothing_else():
+    dht, runners = FakeDHT("me"), FakeRunners()
+    owner = await publish(dht, ASSIGNED)
+    sup, _ = supervisor(dht, runners)
+    async with running(sup):
+        await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run")
+        # a stop signed by someone else than the job's owner is ignored
+        await publish_progress(dht.as_signer("a"), JobProgress(job_id="j", peer_id="a", stopped=True))
+        await asyncio.sleep(0.1)
+        assert not runners.made[0].stop_requested.is_set()
+        await publish_progress(owner, JobProgress(job_id="j", peer_id="owner", stopped=True, ended=True))
+        await wait_until(lambda: "j" in sup.finished, 5, message="stopped job finished")
+    assert runners.made[0].stop_requested.is_set()
+    assert PROGRESS_KEY in dht.store
+
+
+async def test_drain_hands_the_stage_over_and_returns_when_the_plan_moves_on_without_us():
+    dht, runners, plans = FakeDHT("me"), FakeRunners(), FakePlans()
+    await publish(dht, JOB)
+    plans.active_workload = "j"
+    plans.active_plan = make_plan(1, [("me", 0, 1), ("b", 1, 3)])
+    sup, states = supervisor(dht, runners, plans=plans)
+    async with running(sup) as task:
+        await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run")
+        drain = asyncio.create_task(sup.drain(grace_s=5.0))
+        await wait_until(lambda: runners.made[0].cancelled, 5, message="run handed over")
+        assert sup.held("j") is runners.made[0].held_state  # kept for the new owners
+        assert not drain.done()  # still serving: the plan still names us
+        plans.active_plan = make_plan(2, [("b", 0, 3)])
+        await asyncio.wait_for(drain, 5)
+        await asyncio.wait_for(task, 5)  # the loop ends after a drain
+    assert PeerState.DRAINING in states and len(runners.made) == 1
