@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 
 from ravnest_p2p.discovery import PeerDirectory, PeerRecord, RunDHT, dht_time
@@ -112,9 +112,12 @@ class RunClient:
         if not await self.dht.store_own(JOB_KEY, job.to_wire(), ttl_s=ttl_s):
             raise RavnestError("no DHT peer accepted the job")
 
-    async def metrics(self, *, epoch: int | None = None, job_id: str | None = None) -> list[StageMetrics]:
-        """Stage metrics of `epoch`, or (None) of every epoch the peers' records name, plus epoch 0."""
-        epochs = {epoch} if epoch is not None else {0} | {r.epoch for r in await self.peers()}
+    async def metrics(
+        self, *, epoch: int | None = None, job_id: str | None = None, also_epochs: Iterable[int] = ()
+    ) -> list[StageMetrics]:
+        """Stage metrics of `epoch`, or (None) of every epoch the peers' records name, epoch 0 and
+        `also_epochs` (e.g. the epoch a job's progress record names: the swarm may have moved on)."""
+        epochs = {epoch} if epoch is not None else {0, *also_epochs} | {r.epoch for r in await self.peers()}
         latest: dict[tuple[str, str], StageMetrics] = {}  # (job, peer) -> newest metrics over epochs
         for e in sorted(epochs):
             # final metrics are pinned at the initial peers: read them there too
@@ -158,12 +161,13 @@ class RunClient:
 
     async def _poll_job(self, job: JobSpec) -> tuple[list[StageMetrics], bool]:
         """(metrics to show, done) of one poll of `job` (raises `RavnestError` if the job failed)."""
-        metrics = await self.metrics(job_id=job.job_id)
         if job.assignment is not None:
             # an explicit assignment: a fixed set of clusters on epoch 0
-            current = newest_epoch(metrics)
+            current = newest_epoch(await self.metrics(job_id=job.job_id))
             return current, _job_done(current, len(job.assignment))
         progress = await self.progress(job.job_id)
+        also = (progress.epoch,) if progress is not None else ()
+        metrics = await self.metrics(job_id=job.job_id, also_epochs=also)
         if progress is not None and progress.done:
             return newest_epoch(metrics), True
         if progress is not None and progress.ended:

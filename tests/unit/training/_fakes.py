@@ -155,3 +155,11 @@ class FakeStateSource:
         if self.checkpoint_tag is None:
             return None
         return {"tensors": layer_tensors(self.checkpoint_tag, first_layer, end_layer)}
+
+
+class FakeClientDHT(FakeDHT):
+    """A `FakeDHT` with the `transport.peer_id` a `RunClient` reads (its own signing identity)."""
+
+    @property
+    def transport(self) -> Any:
+        return type("T", (), {"peer_id": self.signer})()

@@ -32,7 +32,8 @@ def test_merge_takes_the_newest_epoch_and_the_furthest_position():
     )
     assert view is not None
     assert (view.epoch, view.micro_batches, view.optimizer_steps, view.train_wall_s) == (2, 44, 44, 10.0)
-    assert view.started_epoch and not view.finished
+    assert view.started_epoch
+    assert not view.finished
 
 
 def test_records_of_others_forged_writers_and_untrusted_stops_are_ignored():
@@ -44,7 +45,10 @@ def test_records_of_others_forged_writers_and_untrusted_stops_are_ignored():
     assert merge_progress(records, job_id="j", owner_peer_id="owner") is None
     owner_stop = {"owner": JobProgress(job_id="j", peer_id="owner", stopped=True, ended=True)}
     view = merge_progress(owner_stop, job_id="j", owner_peer_id="owner")
-    assert view is not None and view.stopped and view.finished and view.reason == "stopped by its owner"
+    assert view is not None
+    assert view.stopped
+    assert view.finished
+    assert view.reason == "stopped by its owner"
 
 
 def test_may_start_refuses_ended_superseded_and_already_moving_plans():
@@ -54,10 +58,12 @@ def test_may_start_refuses_ended_superseded_and_already_moving_plans():
     assert may_start(ProgressView(job_id="j", done=True), epoch=5, holds_state=True)[0] is False
     newer = ProgressView(job_id="j", epoch=3)
     ok, why = may_start(newer, epoch=2, holds_state=False)
-    assert not ok and "superseded" in why
+    assert not ok
+    assert "superseded" in why
     moving = ProgressView(job_id="j", epoch=2, started_epoch=True)
     ok, why = may_start(moving, epoch=2, holds_state=False)
-    assert not ok and "without this peer's state" in why  # a restarted process on a running pipeline
+    assert not ok
+    assert "without this peer's state" in why
     assert may_start(moving, epoch=2, holds_state=True)[0]
     assert may_start(moving, epoch=3, holds_state=False)[0]  # the next plan moves the state to it
     assert may_start(ProgressView(job_id="j", epoch=2), epoch=2, holds_state=False)[0]  # not started yet
@@ -68,4 +74,6 @@ async def test_publish_and_read_round_trip_through_a_signed_store():
     assert await publish_progress(dht, rec("a", epoch=1, micro_batches=5, epoch_start=0))
     dht.store.setdefault(PROGRESS_KEY, {})["junk"] = ({"job_id": 5}, 1e18)  # malformed: ignored
     view = await read_progress(dht.as_signer("reader"), "j", owner_peer_id=None)
-    assert view is not None and view.micro_batches == 5 and view.started_epoch
+    assert view is not None
+    assert view.micro_batches == 5
+    assert view.started_epoch

@@ -39,7 +39,10 @@ def test_role_on_an_agreed_plan_holds_every_per_stage_fact():
     assert role is not None
     assert (role.epoch, role.on_agreed_plan, role.cluster_index, role.num_clusters) == (4, True, 0, 2)
     assert (role.stage_index, role.first_layer, role.end_layer, role.num_stages) == (1, 1, 3, 2)
-    assert role.prev_peer_id == "a" and role.next_peer_id is None and role.is_last and not role.is_first
+    assert role.prev_peer_id == "a"
+    assert role.next_peer_id is None
+    assert role.is_last
+    assert not role.is_first
     assert role.peers == ["a", "b"]
     assert role.plan_peers == {"a", "b", "c", "d"}
     assert role.window == default_window(2) == 4
@@ -49,7 +52,8 @@ def test_role_on_an_agreed_plan_holds_every_per_stage_fact():
     assert (role.data_start, role.optimizer_steps_start, role.train_wall_s_start) == (7, 7, 12.5)
     assert role.remaining_steps == role.final_step - 7
     # two clusters: the rings' shard map is part of the role, cut at every cluster's stage boundaries
-    assert role.shard_map is not None and role.shard_map.epoch == 4
+    assert role.shard_map is not None
+    assert role.shard_map.epoch == 4
 
 
 def test_role_on_the_jobs_assignment_and_a_peer_not_in_it():
@@ -62,7 +66,9 @@ def test_role_on_the_jobs_assignment_and_a_peer_not_in_it():
     role = role_for(job, None, "x", num_train_samples=204)
     assert role is not None
     assert (role.epoch, role.on_agreed_plan, role.window, role.shard_map) == (0, False, 2, None)
-    assert role.is_first and role.is_last and role.data_start == 0
+    assert role.is_first
+    assert role.is_last
+    assert role.data_start == 0
     assert role_for(job, None, "stranger", num_train_samples=204) is None
     assert role_for(JOB, make_plan(1, [("a", 0, 3)]), "spare", num_train_samples=204) is None
 
@@ -71,16 +77,22 @@ def test_until_stopped_jobs_have_no_final_step_unless_capped():
     forever = JOB.model_copy(update={"until_stopped": True})
     plan = make_plan(1, [("a", 0, 3)])
     role = role_for(forever, plan, "a", num_train_samples=204)
-    assert role is not None and role.final_step is None and role.remaining_steps is None
+    assert role is not None
+    assert role.final_step is None
+    assert role.remaining_steps is None
     capped = role_for(forever.model_copy(update={"max_steps": 500}), plan, "a", num_train_samples=204)
-    assert capped is not None and capped.final_step == 500  # past the 2 epochs: data wraps
+    assert capped is not None
+    assert capped.final_step == 500
 
 
 def test_same_stage_compares_job_plan_cluster_and_layers():
     a = role_for(JOB, make_plan(1, [("a", 0, 1), ("b", 1, 3)]), "a", num_train_samples=204)
     again = role_for(JOB, make_plan(1, [("a", 0, 1), ("b", 1, 3)]), "a", num_train_samples=204)
     moved = role_for(JOB, make_plan(2, [("a", 0, 1), ("b", 1, 3)]), "a", num_train_samples=204)
-    assert a is not None and a.same_stage(again) and not a.same_stage(moved) and not a.same_stage(None)
+    assert a is not None
+    assert a.same_stage(again)
+    assert not a.same_stage(moved)
+    assert not a.same_stage(None)
 
 
 # ----- the one window ---------------------------------------------------------------------------------
@@ -88,7 +100,8 @@ def test_runtime_and_planner_use_the_planning_window():
     assert pipeline.default_window is default_window
     assert service.default_window is default_window
     assert [default_window(s) for s in (1, 2, 3, 4)] == [1, 4, 7, 10]
-    assert pipeline_window(None, 3) == 7 and pipeline_window(5, 3) == 5
+    assert pipeline_window(None, 3) == 7
+    assert pipeline_window(5, 3) == 5
     with pytest.raises(ValueError, match="at least one stage"):
         default_window(0)
 

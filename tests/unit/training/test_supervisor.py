@@ -11,8 +11,8 @@ import torch
 
 from ravnest_p2p.planning import JobParams
 from ravnest_p2p.training.job import JobSpec, StagePlacement
-from ravnest_p2p.training.progress import PROGRESS_KEY, JobProgress, publish_progress, read_progress
 from ravnest_p2p.training.placement import assignment_from_plan
+from ravnest_p2p.training.progress import PROGRESS_KEY, JobProgress, publish_progress, read_progress
 from ravnest_p2p.training.resume import Segment, gather_state, state_sources
 from ravnest_p2p.training.role import role_for
 from ravnest_p2p.training.runner import JOB_KEY
@@ -102,12 +102,15 @@ async def test_an_assigned_job_runs_once_and_is_not_run_again():
     async with running(sup):
         await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run")
         run = runners.made[0]
-        assert run.role.stage_index == 1 and run.role.epoch == 0 and run.initial_state is None
+        assert run.role.stage_index == 1
+        assert run.role.epoch == 0
+        assert run.initial_state is None
         run.finish.set()
         await wait_until(lambda: "j" in sup.finished, 5, message="finished")
         await asyncio.sleep(0.1)  # several more polls: nothing new starts
     assert len(runners.made) == 1
-    assert states[:1] == [PeerState.TRAINING] and states[-1] == PeerState.READY
+    assert states[:1] == [PeerState.TRAINING]
+    assert states[-1] == PeerState.READY
     assert await sup.step() is None
 
 
@@ -128,7 +131,8 @@ async def test_a_restarted_peer_does_not_take_a_stage_of_a_pipeline_that_moved_o
     await publish_progress(first_stage, JobProgress(job_id="j", peer_id="a", cluster=0, micro_batches=40))
     sup, states = supervisor(dht, runners)  # a fresh process: it never ran epoch 0 of this job
     assert await sup.step() is None
-    assert runners.made == [] and PeerState.TRAINING not in states
+    assert runners.made == []
+    assert PeerState.TRAINING not in states
     # once the survivors report the job ended, it is never picked up again
     await publish_progress(
         first_stage, JobProgress(job_id="j", peer_id="a", cluster=0, micro_batches=41, ended=True, reason="x")
@@ -146,12 +150,16 @@ async def test_a_failed_stage_on_an_assignment_ends_the_job_and_reports_the_lost
         runners.made[0].fail = NeighbourGone("a")
         runners.made[0].finish.set()
         await wait_until(lambda: "j" in sup.finished, 5, message="ended")
-    assert suspects.reports and suspects.reports[0][0] == "a"
+    assert suspects.reports
+    assert suspects.reports[0][0] == "a"
     view = await read_progress(dht, "j", owner_peer_id="owner")
-    assert view is not None and view.ended and "failed" in (view.reason or "")
+    assert view is not None
+    assert view.ended
+    assert "failed" in (view.reason or "")
     # a restarted process with the same identity reads that and stays out
     again, _ = supervisor(FakeDHT("me", dht.store), FakeRunners())
-    assert await again.step() is None and "j" in again.finished
+    assert await again.step() is None
+    assert "j" in again.finished
 
 
 async def test_a_new_plan_hands_the_stage_over_from_the_right_sources():
@@ -167,7 +175,8 @@ async def test_a_new_plan_hands_the_stage_over_from_the_right_sources():
         assert plans.workloads == ["j"]
         first = runners.made[0]
         assert (first.role.epoch, first.role.first_layer, first.role.end_layer) == (1, 0, 2)
-        assert first.initial_state is None and source.calls == []  # the job's first plan: nothing to move
+        assert first.initial_state is None
+        assert source.calls == []
         # b is lost: the swarm re-plans; we now own layers [0, 3) of cluster 0
         plans.active_plan = make_plan(2, [("me", 0, 3)], [("c", 0, 1), ("d", 1, 3)])
         await wait_until(
@@ -208,11 +217,14 @@ async def test_an_unchanged_stage_resumes_its_whole_state_and_lost_layers_fall_b
     state, origin = await gather_state(
         role, segments, held=None, source=source, allowed=frozenset({"me", "b"})
     )
-    assert origin == {"1-3": "checkpoint"} and source.checkpoint_calls == [(1, 3)]
-    assert state is not None and torch.equal(state["tensors"]["2.weight"], torch.full((2,), 702.0))
+    assert origin == {"1-3": "checkpoint"}
+    assert source.checkpoint_calls == [(1, 3)]
+    assert state is not None
+    assert torch.equal(state["tensors"]["2.weight"], torch.full((2,), 702.0))
     # and with no checkpoint either, the layers start from the initial weights (no state at all)
     state, origin = await gather_state(role, segments, held=None, source=None, allowed=frozenset())
-    assert state is None and origin == {"1-3": "initial weights"}
+    assert state is None
+    assert origin == {"1-3": "initial weights"}
 
 
 def test_sources_prefer_our_copy_then_the_same_cluster_then_replicas_and_skip_the_dead():
@@ -220,7 +232,8 @@ def test_sources_prefer_our_copy_then_the_same_cluster_then_replicas_and_skip_th
         make_plan(1, [("a", 0, 1), ("b", 1, 3)], [("c", 0, 2), ("d", 2, 3)], [("e", 0, 3)])
     )
     role = role_for(JOB, make_plan(2, [("x", 0, 3)], [("c", 0, 3)]), "c", num_train_samples=204)
-    assert role is not None and role.cluster_index == 1
+    assert role is not None
+    assert role.cluster_index == 1
     # ours first (c held 0-1 in cluster 1), then the same cluster index's owner, then clusters 0 and 2
     assert state_sources(previous, role, alive={"a", "b", "d", "e"}) == [
         Segment(0, 1, ("c", "a", "e")),
@@ -283,4 +296,5 @@ async def test_drain_hands_the_stage_over_and_returns_when_the_plan_moves_on_wit
         plans.active_plan = make_plan(2, [("b", 0, 3)])
         await asyncio.wait_for(drain, 5)
         await asyncio.wait_for(task, 5)  # the loop ends after a drain
-    assert PeerState.DRAINING in states and len(runners.made) == 1
+    assert PeerState.DRAINING in states
+    assert len(runners.made) == 1

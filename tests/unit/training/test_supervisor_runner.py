@@ -68,7 +68,8 @@ def test_cluster_batches_resume_where_a_run_left_off_and_wrap_epochs():
     whole = list(train_batches(job, train_set, cluster_index=1, num_clusters=2))
     mine = list(cluster_batches(job, train_set, cluster_index=1, num_clusters=2, start=0, stop=len(whole)))
     tail = list(cluster_batches(job, train_set, cluster_index=1, num_clusters=2, start=5, stop=len(whole)))
-    assert len(mine) == len(whole) and len(tail) == len(whole) - 5
+    assert len(mine) == len(whole)
+    assert len(tail) == len(whole) - 5
     assert all(torch.equal(a[0], b[0]) for a, b in zip(mine, whole, strict=True))
     assert all(torch.equal(a[0], b[0]) for a, b in zip(tail, whole[5:], strict=True))
     endless = cluster_batches(job, train_set, cluster_index=0, num_clusters=1, start=0, stop=None)
@@ -87,17 +88,24 @@ async def test_a_run_resumed_from_held_state_continues_instead_of_starting_over(
     assert [r.restored for r in same] == ["full", "full"]
     assert same[0].eval_loss == pytest.approx(loss_at_20, rel=1e-6)
     _, initial = await train(BASE.model_copy(update={"max_steps": 1}))  # about where a restart would be
-    assert initial[0].eval_loss is not None and loss_at_20 < 0.5 * initial[0].eval_loss
+    assert initial[0].eval_loss is not None
+    assert loss_at_20 < 0.5 * initial[0].eval_loss
     # resumed for 20 more: steps, data position and progress continue from 20
     dht = FakeDHT("p0")
     resumed, _ = await train(
         BASE.model_copy(update={"max_steps": 40}), progress=at_20, states=states, dht=dht
     )
-    assert resumed[1].service is not None and resumed[1].service.executor.num_steps == 40
-    assert resumed[0].role.data_start == 20 and resumed[0].metrics().step == 40
-    assert resumed[0].service is not None and resumed[0].service.stats.completed == 20
+    assert resumed[1].service is not None
+    assert resumed[1].service.executor.num_steps == 40
+    assert resumed[0].role.data_start == 20
+    assert resumed[0].metrics().step == 40
+    assert resumed[0].service is not None
+    assert resumed[0].service.stats.completed == 20
     view = await read_progress(dht, "r", owner_peer_id=None)
-    assert view is not None and view.done and view.micro_batches == 40 and view.optimizer_steps == 40
+    assert view is not None
+    assert view.done
+    assert view.micro_batches == 40
+    assert view.optimizer_steps == 40
 
 
 async def test_until_stopped_runs_past_its_epochs_until_the_stop_request():
@@ -117,9 +125,12 @@ async def test_until_stopped_runs_past_its_epochs_until_the_stop_request():
     assert not any(t.done() for t in tasks)
     runners[0].stop_requested.set()
     final = await asyncio.wait_for(asyncio.gather(*tasks), 30)
-    assert final[0].done and final[0].step > 2 * per_epoch and final[0].eval_loss is not None
+    assert final[0].done
+    assert final[0].step > 2 * per_epoch
+    assert final[0].eval_loss is not None
     view = await read_progress(dht, "r", owner_peer_id=None)
-    assert view is not None and view.done
+    assert view is not None
+    assert view.done
 
 
 async def test_a_wall_time_limit_ends_the_job_counting_earlier_plans():
