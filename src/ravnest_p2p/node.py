@@ -19,11 +19,13 @@ from ravnest_p2p.discovery import Announcer, PeerDirectory, PeerRecord, RunDHT, 
 from ravnest_p2p.measurement import NetworkMeter, ProbeConfig, free_memory_bytes, measure_matmul_flops
 from ravnest_p2p.membership import DhtPlanBoard, MembershipConfig, MembershipService
 from ravnest_p2p.planning import JobParams
+from ravnest_p2p.training.handover import HandoverServer
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.placement import job_params, layer_profiles
-from ravnest_p2p.training.resume import HeldState
 from ravnest_p2p.training.role import StageRole
 from ravnest_p2p.training.runner import StageRunner
+from ravnest_p2p.training.stage_state import StageState
+from ravnest_p2p.training.state_source import HandoverStateSource
 from ravnest_p2p.training.supervisor import JobSupervisor, SupervisorConfig, rerun_allowed
 from ravnest_p2p.transport import HostConfig, P2PTransport, RpcEndpoint, load_or_create_identity
 from ravnest_p2p.types import LayerProfile, PeerState
@@ -133,9 +135,9 @@ class Peer:
             plans=self.membership,
             workload=_workload,
             start_runner=self._start_runner,
-            # the hand-over client (`training.handover`) and the suspect report plug in here once merged
-            state_source=None,
-            suspects=None,
+            state_source=HandoverStateSource(self.rpc),
+            suspects=None,  # the membership's `report_suspect` plugs in here once merged
+            serve_to=self._serve_state_to,
             alive=lambda: set(self.directory.active()),
             prepare=self._prepare,
             on_state=self._set_state,
@@ -202,8 +204,11 @@ class Peer:
         runner = self.supervisor.runner
         return runner if isinstance(runner, StageRunner) else None
 
-    def _start_runner(self, job: JobSpec, role: StageRole, state: HeldState | None) -> StageRunner:
+    def _start_runner(self, job: JobSpec, role: StageRole, state: StageState | None) -> StageRunner:
         return StageRunner(self.rpc, self.dht, job, role, initial_state=state)
+
+    def _serve_state_to(self, job_id: str, epoch: int, peer_ids: frozenset[str]) -> None:
+        HandoverServer.of(self.rpc).allow(job_id, peer_ids, epoch=epoch)
 
     async def _prepare(self, role: StageRole) -> None:
         await self._learn_addresses(sorted(role.plan_peers))

@@ -167,6 +167,35 @@ class StageExecutor:
         """The live buffers (e.g. BatchNorm statistics) keyed by global name."""
         return {self.global_name(n): b for n, b in self.module.named_buffers()}
 
+    def trainable_by_name(self) -> dict[str, nn.Parameter]:
+        """The parameters the optimizer steps, keyed by global name."""
+        return {self.global_name(n): p for n, p in self._trainable.items()}
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The stage's optimizer (None without trainable parameters); for state capture and restore."""
+        return self._optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """The stage's LR scheduler (None without trainable parameters)."""
+        return self._scheduler
+
+    def set_num_steps(self, num_steps: int) -> None:
+        """Set the optimizer step count after a state restore; drops pending gradients; a new version.
+
+        Raises:
+            RuntimeError: micro-batches are in flight.
+        """
+        if self._in_flight:
+            raise RuntimeError(f"cannot restore state with micro-batches in flight: {self.in_flight}")
+        if self._optimizer is not None:
+            self._optimizer.zero_grad(set_to_none=True)
+        self._num_accumulated = 0
+        self._num_steps = int(num_steps)
+        self._new_version()
+        self._stash.clear()
+
     # ----- the pipeline --------------------------------------------------------------------------
     def forward(self, micro_batch_id: int, inputs: Tensor) -> Tensor:
         """Run the stage forward for a micro-batch and keep what its backward needs.

@@ -65,6 +65,10 @@ class JobSpec(_Config):
         averaging_period_s: average every this many seconds of wall clock instead (overrides the
             steps; pairs clusters that run at different speeds).
         assignment: explicit clusters (each an ordered list of stages) instead of the planner's plan.
+        checkpoint_every_steps / checkpoint_every_s / checkpoint_keep_last: stage checkpoints (see
+            docs/checkpoints.md; written where the peer keeps them, nowhere if it keeps none).
+        state_readers: peers besides the job's own that may fetch its stage state (e.g. the
+            researcher's client, for `RunClient.checkpoint`).
     """
 
     schema_version: int = 1
@@ -92,6 +96,10 @@ class JobSpec(_Config):
     averaging_period_steps: int = Field(default=0, ge=0)
     averaging_period_s: float = Field(default=0.0, ge=0, le=86_400)
     assignment: tuple[tuple[StagePlacement, ...], ...] | None = None
+    checkpoint_every_steps: int = Field(default=0, ge=0)
+    checkpoint_every_s: float = Field(default=0.0, ge=0, le=30 * 86_400)
+    checkpoint_keep_last: int = Field(default=3, ge=1, le=1000)
+    state_readers: tuple[str, ...] = Field(default=(), max_length=64)
 
     @model_validator(mode="after")
     def _contiguous(self) -> JobSpec:

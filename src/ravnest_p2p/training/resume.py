@@ -20,15 +20,20 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ravnest_p2p.training.role import Assignment, StageRole
+from ravnest_p2p.training.stage_state import StageState, StateMismatch, merge_states, names_in_layers
 
 __all__ = ["HeldState", "Segment", "StateSource", "gather_state", "state_sources"]
 
 logger = logging.getLogger(__name__)
 
-# A stage's state as a process holds it between plans: `StageExecutor.state_dict()` plus its layer range
-# ({"first_layer", "end_layer", "tensors", "optimizer", "scheduler", "num_steps", ...}); a state fetched
-# from elsewhere may carry only "tensors" (by global name).
-HeldState = dict[str, Any]
+
+@dataclass(frozen=True)
+class HeldState:
+    """A stage's state as this process holds it between plans: its layers and `StageState` (by name)."""
+
+    first_layer: int
+    end_layer: int
+    state: StageState
 
 
 @dataclass(frozen=True)
@@ -44,15 +49,22 @@ class StateSource(Protocol):
     """Fetches stage state by global name; implementations check digests and sizes before returning."""
 
     async def fetch(
-        self, peer_id: str, *, job_id: str, first_layer: int, end_layer: int, allowed: frozenset[str]
-    ) -> HeldState | None:
-        """State of layers [first_layer, end_layer) held by `peer_id` (None: it has none / failed).
+        self,
+        peer_id: str,
+        *,
+        job_id: str,
+        epoch: int,
+        first_layer: int,
+        end_layer: int,
+        allowed: frozenset[str],
+    ) -> StageState | None:
+        """State of layers [first_layer, end_layer) that `peer_id` held on plan `epoch` (None: none).
 
         `allowed` is the previous plan's membership; an implementation refuses any other peer.
         """
         ...
 
-    async def from_checkpoint(self, *, job_id: str, first_layer: int, end_layer: int) -> HeldState | None:
+    async def from_checkpoint(self, *, job_id: str, first_layer: int, end_layer: int) -> StageState | None:
         """State of those layers from the job's newest checkpoint (None: no checkpoint covers them)."""
         ...
 
@@ -99,10 +111,6 @@ def state_sources(previous: Assignment, role: StageRole, *, alive: Collection[st
     return segments
 
 
-def _layer_of(name: str) -> int:
-    return int(name.partition(".")[0])
-
-
 async def gather_state(
     role: StageRole,
     segments: Sequence[Segment],
@@ -110,45 +118,48 @@ async def gather_state(
     held: HeldState | None,
     source: StateSource | None,
     allowed: frozenset[str],
-) -> tuple[HeldState | None, dict[str, str]]:
-    """Assemble the new role's starting state; returns (state or None, {segment: where it came from}).
+    previous_epoch: int,
+) -> tuple[StageState | None, dict[str, str]]:
+    """Assemble the new role's starting state; returns (state or None, {layer span: where it came from}).
 
-    A single segment answered by this peer's own held state of the same range returns that state
-    whole (optimizer included). Otherwise the tensors of every segment are merged by global name.
+    A role whose range equals what this peer held gets that state whole (optimizer and counters
+    included). Otherwise every segment's tensors are merged by global name (the counters are those of
+    the first source that has them).
     """
     if (
         held is not None
-        and (held.get("first_layer"), held.get("end_layer")) == (role.first_layer, role.end_layer)
+        and (held.first_layer, held.end_layer) == (role.first_layer, role.end_layer)
         and len(segments) == 1
         and segments[0].candidates[:1] == (role.peer_id,)
     ):
-        return held, {f"{role.first_layer}-{role.end_layer}": "self (full)"}
-    tensors: dict[str, Any] = {}
+        return held.state, {f"{role.first_layer}-{role.end_layer}": "self (full)"}
+    parts: list[StageState] = []
     origin: dict[str, str] = {}
     for segment in segments:
         span = f"{segment.first_layer}-{segment.end_layer}"
-        found: HeldState | None = None
         for peer_id in segment.candidates:
+            found: StageState | None = None
             if peer_id == role.peer_id:
-                found = held
+                found = held.state if held is not None else None
             elif source is not None and peer_id in allowed:
                 try:
                     found = await source.fetch(
                         peer_id,
                         job_id=role.job_id,
+                        epoch=previous_epoch,
                         first_layer=segment.first_layer,
                         end_layer=segment.end_layer,
                         allowed=allowed,
                     )
                 except Exception as exc:  # a peer's failure costs that source, never the stage
                     logger.info("state of layers %s from %s failed: %r", span, peer_id, exc)
-                    found = None
             part = _slice(found, segment)
-            if part:
-                tensors.update(part)
+            if part is not None:
+                parts.append(part)
                 origin[span] = peer_id
                 break
         else:
+            found = None
             if source is not None:
                 try:
                     found = await source.from_checkpoint(
@@ -156,23 +167,28 @@ async def gather_state(
                     )
                 except Exception as exc:
                     logger.info("checkpoint of layers %s failed: %r", span, exc)
-                    found = None
-                part = _slice(found, segment)
-                if part:
-                    tensors.update(part)
-                    origin[span] = "checkpoint"
-                    continue
+            part = _slice(found, segment)
+            if part is not None:
+                parts.append(part)
+                origin[span] = "checkpoint"
+                continue
             origin[span] = "initial weights"
-            logger.warning(
-                "job %s: no state for layers %s; they start from the initial weights", role.job_id, span
-            )
-    if not tensors:
+            logger.warning("job %s: no state for layers %s; initial weights there", role.job_id, span)
+    if not parts:
         return None, origin
-    return {"tensors": tensors}, origin
+    meta = next((p.meta for p in parts if p.meta is not None), None)
+    try:
+        return merge_states(parts, meta=meta), origin
+    except StateMismatch as exc:  # two sources disagree on a shared name: trust none of them
+        logger.warning("job %s: sources disagree (%s); initial weights", role.job_id, exc)
+        return None, {span: "initial weights" for span in origin}
 
 
-def _slice(state: HeldState | None, segment: Segment) -> dict[str, Any]:
-    if not state:
-        return {}
-    tensors = state.get("tensors") or {}
-    return {n: t for n, t in tensors.items() if segment.first_layer <= _layer_of(n) < segment.end_layer}
+def _slice(state: StageState | None, segment: Segment) -> StageState | None:
+    """The part of `state` in the segment's layers (a source is asked only for layers it held)."""
+    if state is None:
+        return None
+    try:
+        return state.subset(names_in_layers(state.tensors, segment.first_layer, segment.end_layer))
+    except StateMismatch:  # a name that is not a global state name: nothing from this source
+        return None

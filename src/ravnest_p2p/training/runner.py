@@ -14,7 +14,7 @@ import itertools
 import logging
 import resource
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 
 from torch import Tensor
 
@@ -29,6 +29,8 @@ from ravnest_p2p.training.progress import JobProgress, ProgressStore, publish_pr
 from ravnest_p2p.training.replicas import ReplicaAverager, tensor_digests
 from ravnest_p2p.training.resume import HeldState
 from ravnest_p2p.training.role import StageRole, role_for
+from ravnest_p2p.training.stage_hook import attach_stage_state
+from ravnest_p2p.training.stage_state import StageState, StateMismatch, capture_state, restore_state
 from ravnest_p2p.training.stages import build_stage, load_dataset
 from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import TaskOwner
@@ -79,28 +81,25 @@ async def read_job(dht: ProgressStore) -> JobSpec | None:
     return found[1] if found else None
 
 
-def apply_state(executor: StageExecutor, state: HeldState) -> str:
-    """Resume `executor` from a held stage state; returns what was restored ("full", "partial", "none").
+def apply_state(executor: StageExecutor, state: StageState) -> str:
+    """Resume `executor` from `state` (global names); returns what was restored: full, partial or none.
 
-    The same layer range restores everything (parameters, buffers, optimizer and LR-schedule state,
-    step counters). Another range restores the parameters and buffers the two share by global name and
-    starts their optimizer state afresh (moving optimizer state across splits is the hand-over helper's
-    `stage_state`; see docs/elastic.md).
+    A state covering the whole stage restores everything it carries (parameters, buffers, optimizer
+    state, counters and LR schedule: `stage_state.restore_state`). A partial one (some layers had no
+    source) restores what it has, the rest keeps the initial weights; a state that does not fit at all
+    changes nothing.
     """
-    same = (state.get("first_layer"), state.get("end_layer")) == (
-        executor.config.first_layer_index,
-        executor.config.first_layer_index + len(executor.module),
-    )
-    if same:
-        executor.load_state_dict(state)
+    try:
+        restore_state(executor, state, complete=True)
         return "full"
-    wanted = {**executor.parameters_by_name(), **executor.buffers_by_name()}
-    tensors: Mapping[str, Tensor] = state.get("tensors", {})
-    shared = {n: t for n, t in tensors.items() if n in wanted and tuple(t.shape) == tuple(wanted[n].shape)}
-    if not shared:
+    except StateMismatch as exc:
+        logger.info("stage state is not complete (%s): restoring what there is", exc)
+    try:
+        restore_state(executor, state, complete=False)
+        return "partial"
+    except StateMismatch as exc:
+        logger.warning("stage state does not fit this stage: %s", exc)
         return "none"
-    executor.assign_parameters(shared)
-    return "partial"
 
 
 def cluster_batches(
@@ -164,7 +163,7 @@ class StageRunner:
         job: JobSpec,
         role: StageRole,
         *,
-        initial_state: HeldState | None = None,
+        initial_state: StageState | None = None,
         metrics_period_s: float = 2.0,
         on_metrics: Callable[[StageMetrics], None] | None = None,
     ) -> None:
@@ -320,9 +319,8 @@ class StageRunner:
         service = self.service
         if service is None:
             return
-        state = service.executor.state_dict()
-        state["first_layer"], state["end_layer"] = self.role.first_layer, self.role.end_layer
-        self.held_state = state
+        state = capture_state(service.executor)
+        self.held_state = HeldState(self.role.first_layer, self.role.end_layer, state)
 
     async def run(self) -> StageMetrics:
         """Train this stage until the job is done (or fails, or is stopped); return the final metrics."""
@@ -357,6 +355,7 @@ class StageRunner:
             )
             await self.replicas.start()
             service.on_step = self.replicas.on_step
+        self.state_hook = await attach_stage_state(self, service)  # serves its state; checkpoints
         await service.start()
         self._started = time.monotonic()
         self._tasks.spawn(self._metrics_loop(), name="metrics")

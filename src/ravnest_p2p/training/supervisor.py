@@ -40,8 +40,9 @@ from ravnest_p2p.training.progress import (
     read_progress,
 )
 from ravnest_p2p.training.resume import HeldState, StateSource, gather_state, state_sources
-from ravnest_p2p.training.role import Assignment, StageRole, role_for
+from ravnest_p2p.training.role import StageRole, role_for
 from ravnest_p2p.training.runner import read_job_signed
+from ravnest_p2p.training.stage_state import StageState
 from ravnest_p2p.types import LayerProfile, PeerState
 from ravnest_p2p.utils import TaskOwner
 
@@ -102,7 +103,7 @@ class StageRun(Protocol):
     async def run(self) -> Any: ...
 
 
-RunnerFactory = Callable[[JobSpec, StageRole, "HeldState | None"], StageRun]
+RunnerFactory = Callable[[JobSpec, StageRole, "StageState | None"], StageRun]
 WorkloadFactory = Callable[[JobSpec], Awaitable[tuple[JobParams, list[LayerProfile]]]]
 
 
@@ -130,6 +131,8 @@ class JobSupervisor:
         alive: the peers believed alive now (None: every member of the previous plan).
         prepare: awaited before a role runs (e.g. learn its peers' addresses).
         on_state: told when this peer starts/stops training or drains (the announcer's record).
+        serve_to: lets the new plan's peers fetch the state this peer held on an older plan of a job
+            (job id, old epoch, peer ids): the hand-over server's allow-list.
     """
 
     def __init__(
@@ -146,6 +149,7 @@ class JobSupervisor:
         alive: Callable[[], Collection[str]] | None = None,
         prepare: Callable[[StageRole], Awaitable[None]] | None = None,
         on_state: Callable[[PeerState], None] | None = None,
+        serve_to: Callable[[str, int, frozenset[str]], None] | None = None,
     ) -> None:
         self.config = config
         self.peer_id = peer_id
@@ -158,6 +162,7 @@ class JobSupervisor:
         self.alive = alive
         self.prepare = prepare
         self.on_state = on_state
+        self.serve_to = serve_to
         self.finished: set[str] = set()  # jobs this peer will not run again
         self.role: StageRole | None = None
         self.runner: StageRun | None = None
@@ -166,7 +171,7 @@ class JobSupervisor:
         self._failed_epoch: dict[str, int] = {}
         self._ran: set[tuple[str, int]] = set()  # (job, epoch) this process started
         self._held: dict[str, HeldState] = {}  # job -> the stage state this process holds
-        self._previous: dict[str, Assignment] = {}  # job -> the assignment of the plan it last ran on
+        self._previous: dict[str, StageRole] = {}  # job -> the role it last ran (its plan and epoch)
         self._workload_job: str | None = None
         self._refused: tuple[str, int] | None = None
         self._draining = asyncio.Event()
@@ -239,16 +244,26 @@ class JobSupervisor:
         return role_for(job, plan, self.peer_id, progress=progress)
 
     # ----- one run -----------------------------------------------------------------------------------
-    async def _starting_state(self, role: StageRole) -> HeldState | None:
+    async def _starting_state(self, role: StageRole) -> StageState | None:
         held = self._held.get(role.job_id)
         previous = self._previous.get(role.job_id)
-        if previous is None:
-            return None
-        alive = set(self.alive()) if self.alive is not None else {s.peer_id for c in previous for s in c}
-        allowed = frozenset(s.peer_id for c in previous for s in c)
-        segments = state_sources(previous, role, alive=alive)
+        if previous is None or previous.epoch == role.epoch:
+            # the job's first plan here, or a retry on the same plan (nothing moved)
+            return (
+                held.state
+                if held is not None and previous is not None and role.same_stage(previous)
+                else None
+            )
+        allowed = previous.plan_peers
+        alive = set(self.alive()) if self.alive is not None else set(allowed)
+        segments = state_sources(previous.assignment, role, alive=alive)
         state, self.last_origin = await gather_state(
-            role, segments, held=held, source=self.state_source, allowed=allowed
+            role,
+            segments,
+            held=held,
+            source=self.state_source,
+            allowed=allowed,
+            previous_epoch=previous.epoch,
         )
         logger.info("job %s: stage state from %s", role.job_id, self.last_origin)
         return state
@@ -271,8 +286,13 @@ class JobSupervisor:
         try:
             if self.prepare is not None:
                 await self.prepare(role)
+            previous = self._previous.get(job.job_id)
+            if self.serve_to is not None and previous is not None and previous.epoch != role.epoch:
+                # the new owners pull from us (the old plan's peers may still ask too)
+                self.serve_to(job.job_id, previous.epoch, previous.plan_peers | role.plan_peers)
             state = await self._starting_state(role)
-            runner = self.runner = self.start_runner(job, role, state)
+            placed = job.model_copy(update={"assignment": role.assignment})
+            runner = self.runner = self.start_runner(placed, role, state)
             task = self._tasks.spawn(runner.run(), name=f"job-{job.job_id}-{role.epoch}")
             try:
                 await self._watch(job, owner, role, runner, task)
@@ -324,7 +344,7 @@ class JobSupervisor:
     def _keep(self, role: StageRole, runner: StageRun) -> None:
         if runner.held_state is not None:
             self._held[role.job_id] = runner.held_state
-        self._previous[role.job_id] = role.assignment
+        self._previous[role.job_id] = role
 
     async def _on_failure(self, job: JobSpec, role: StageRole, exc: BaseException) -> None:
         logger.error("job %s failed on this peer: %s", job.job_id, exc)

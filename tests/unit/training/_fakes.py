@@ -10,7 +10,9 @@ from typing import Any
 import torch
 
 from ravnest_p2p.planning import ClusterPlan, JobParams, Plan, StageAssignment
+from ravnest_p2p.training.resume import HeldState
 from ravnest_p2p.training.role import StageRole
+from ravnest_p2p.training.stage_state import StageState, tensor_digest
 
 
 class FakeDHT:
@@ -80,15 +82,20 @@ def layer_tensors(tag: float, first: int, end: int) -> dict[str, torch.Tensor]:
     return {f"{layer}.weight": torch.full((2,), tag + layer) for layer in range(first, end)}
 
 
+def layer_state(tag: float, first: int, end: int) -> StageState:
+    tensors = layer_tensors(tag, first, end)
+    return StageState(tensors=tensors, digests={n: tensor_digest(t) for n, t in tensors.items()})
+
+
 class FakeRun:
     """A runner that trains nothing: it runs until told to finish (or fail), then holds a state."""
 
-    def __init__(self, role: StageRole, state: dict[str, Any] | None, *, tag: float) -> None:
+    def __init__(self, role: StageRole, state: StageState | None, *, tag: float) -> None:
         self.role = role
         self.initial_state = state
         self.tag = tag
         self.stop_requested = asyncio.Event()
-        self.held_state: dict[str, Any] | None = None
+        self.held_state: HeldState | None = None
         self.started = asyncio.Event()
         self.finish = asyncio.Event()
         self.fail: BaseException | None = None
@@ -111,11 +118,8 @@ class FakeRun:
             self.cancelled = True
             raise
         finally:
-            self.held_state = {
-                "first_layer": self.role.first_layer,
-                "end_layer": self.role.end_layer,
-                "tensors": layer_tensors(self.tag, self.role.first_layer, self.role.end_layer),
-            }
+            first, end = self.role.first_layer, self.role.end_layer
+            self.held_state = HeldState(first, end, layer_state(self.tag, first, end))
 
 
 class FakeRunners:
@@ -125,7 +129,7 @@ class FakeRunners:
         self.made: list[FakeRun] = []
         self.tag = tag
 
-    def __call__(self, job: Any, role: StageRole, state: dict[str, Any] | None) -> FakeRun:
+    def __call__(self, job: Any, role: StageRole, state: StageState | None) -> FakeRun:
         run = FakeRun(role, state, tag=self.tag)
         self.made.append(run)
         return run
@@ -138,23 +142,30 @@ class FakeStateSource:
         self.tags = tags
         self.checkpoint_tag = checkpoint_tag
         self.calls: list[tuple[str, int, int, frozenset[str]]] = []
+        self.epochs: list[int] = []
         self.checkpoint_calls: list[tuple[int, int]] = []
 
     async def fetch(
-        self, peer_id: str, *, job_id: str, first_layer: int, end_layer: int, allowed: frozenset[str]
-    ) -> dict[str, Any] | None:
+        self,
+        peer_id: str,
+        *,
+        job_id: str,
+        epoch: int,
+        first_layer: int,
+        end_layer: int,
+        allowed: frozenset[str],
+    ) -> StageState | None:
         self.calls.append((peer_id, first_layer, end_layer, allowed))
+        self.epochs.append(epoch)
         if peer_id not in self.tags:
             return None
-        return {"tensors": layer_tensors(self.tags[peer_id], first_layer, end_layer)}
+        return layer_state(self.tags[peer_id], first_layer, end_layer)
 
-    async def from_checkpoint(
-        self, *, job_id: str, first_layer: int, end_layer: int
-    ) -> dict[str, Any] | None:
+    async def from_checkpoint(self, *, job_id: str, first_layer: int, end_layer: int) -> StageState | None:
         self.checkpoint_calls.append((first_layer, end_layer))
         if self.checkpoint_tag is None:
             return None
-        return {"tensors": layer_tensors(self.checkpoint_tag, first_layer, end_layer)}
+        return layer_state(self.checkpoint_tag, first_layer, end_layer)
 
 
 class FakeClientDHT(FakeDHT):

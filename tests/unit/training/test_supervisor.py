@@ -188,7 +188,8 @@ async def test_a_new_plan_hands_the_stage_over_from_the_right_sources():
     # layers 0-1: our own copy (no call); layer 2: b is dead, so its replica in cluster 1 (d)
     assert [(p, f, e) for p, f, e, _ in source.calls] == [("d", 2, 3)]
     assert source.calls[0][3] == {"me", "b", "c", "d"}  # only members of the previous plan
-    tensors = second.initial_state["tensors"]
+    assert source.epochs == [1]  # d's state as it held it on the previous plan
+    tensors = second.initial_state.tensors
     assert torch.equal(tensors["0.weight"], torch.full((2,), 100.0))  # ours
     assert torch.equal(tensors["2.weight"], torch.full((2,), 402.0))  # d's
     assert sup.last_origin == {"0-1": "me", "1-2": "me", "2-3": "d"}
@@ -206,7 +207,9 @@ async def test_an_unchanged_stage_resumes_its_whole_state_and_lost_layers_fall_b
         plans.active_plan = make_plan(2, [("me", 0, 1), ("c", 1, 3)])
         await wait_until(lambda: len(runners.made) == 2, 5, message="run 2")
     second = runners.made[1]
-    assert second.initial_state is runners.made[0].held_state  # same range: the whole state, optimizer too
+    assert (
+        second.initial_state is runners.made[0].held_state.state
+    )  # same range: the whole state, optimizer too
     assert sup.last_origin == {"0-1": "self (full)"}
     # c, the new owner of [1, 3), finds no live previous owner (b died, one cluster): the checkpoint
     role = role_for(JOB, plans.active_plan, "c", num_train_samples=204)
@@ -215,14 +218,16 @@ async def test_an_unchanged_stage_resumes_its_whole_state_and_lost_layers_fall_b
     segments = state_sources(previous, role, alive={"me", "c"})
     assert segments == [Segment(1, 3, ())]
     state, origin = await gather_state(
-        role, segments, held=None, source=source, allowed=frozenset({"me", "b"})
+        role, segments, held=None, source=source, allowed=frozenset({"me", "b"}), previous_epoch=1
     )
     assert origin == {"1-3": "checkpoint"}
     assert source.checkpoint_calls == [(1, 3)]
     assert state is not None
-    assert torch.equal(state["tensors"]["2.weight"], torch.full((2,), 702.0))
+    assert torch.equal(state.tensors["2.weight"], torch.full((2,), 702.0))
     # and with no checkpoint either, the layers start from the initial weights (no state at all)
-    state, origin = await gather_state(role, segments, held=None, source=None, allowed=frozenset())
+    state, origin = await gather_state(
+        role, segments, held=None, source=None, allowed=frozenset(), previous_epoch=1
+    )
     assert state is None
     assert origin == {"1-3": "initial weights"}
 
@@ -261,7 +266,7 @@ async def test_a_failure_on_the_agreed_plan_waits_for_the_next_plan_and_resumes_
         assert len(runners.made) == 1
         plans.active_plan = make_plan(2, [("me", 0, 3)])
         await wait_until(lambda: len(runners.made) == 2, 5, message="run on the next plan")
-    assert runners.made[1].initial_state is runners.made[0].held_state
+    assert runners.made[1].initial_state is runners.made[0].held_state.state
     assert "j" not in sup.finished
 
 

@@ -79,8 +79,9 @@ def test_cluster_batches_resume_where_a_run_left_off_and_wrap_epochs():
 async def test_a_run_resumed_from_held_state_continues_instead_of_starting_over():
     first_half = BASE.model_copy(update={"max_steps": 20})
     runners, _ = await train(first_half)
-    states = [r.held_state for r in runners]
-    assert all(s is not None and s["num_steps"] == 20 for s in states)
+    held = [r.held_state for r in runners]
+    assert all(h is not None and h.state.meta is not None and h.state.meta.num_steps == 20 for h in held)
+    states = [h.state for h in held if h is not None]
     loss_at_20 = runners[0].eval_loss
     at_20 = ProgressView(job_id="r", epoch=0, micro_batches=20, optimizer_steps=20)
     # resumed with nothing left to train: the very same model (evaluation is deterministic)

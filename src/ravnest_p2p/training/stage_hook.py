@@ -1,0 +1,182 @@
+"""What a running stage does for the state that outlives its plan: serve it, checkpoint it, announce it.
+
+`attach_stage_state` is the one call `StageRunner.run` makes once its stage is built: it publishes the
+live stage on this peer's `HandoverServer` (for the next plan's owners and the job's state readers;
+the stage stays published after the run ends, so its final state can be fetched), and, when the job
+asks for checkpoints and this peer keeps them, writes a checkpoint after the optimizer steps that are
+due and announces it under the run's ``checkpoints`` key.
+
+Where checkpoints go is the peer's choice, not the job's: ``runner.checkpoint_dir`` if the composition
+root set one, else the ``RAVNEST_CHECKPOINT_DIR`` environment variable, else nowhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ravnest_p2p.runtime.service import StageService
+from ravnest_p2p.runtime.stage import StageExecutor
+from ravnest_p2p.training.checkpoint import (
+    CheckpointAnnouncement,
+    CheckpointConfig,
+    CheckpointWriter,
+    announce_checkpoints,
+)
+from ravnest_p2p.training.handover import ExecutorSource, HandoverServer
+from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.stage_state import capture_meta, live_tensors
+from ravnest_p2p.transport.rpc import RpcEndpoint
+from ravnest_p2p.utils import TaskOwner, run_in_compute_thread
+
+__all__ = ["CHECKPOINT_DIR_ENV", "StageStateHook", "attach_stage_state", "checkpoint_config_for"]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_DIR_ENV = "RAVNEST_CHECKPOINT_DIR"
+_ANNOUNCE_TTL_S = 3600.0
+
+Progress = Callable[[], Mapping[str, int | float | str]]
+
+
+def checkpoint_config_for(job: JobSpec, directory: Path | str | None) -> CheckpointConfig | None:
+    """The job's checkpoint schedule in `directory` (or the environment's), or None if either is unset."""
+    directory = directory or os.environ.get(CHECKPOINT_DIR_ENV) or None
+    if directory is None or not (job.checkpoint_every_steps or job.checkpoint_every_s):
+        return None
+    return CheckpointConfig(
+        every_steps=job.checkpoint_every_steps,
+        every_s=job.checkpoint_every_s,
+        keep_last=job.checkpoint_keep_last,
+        dir=Path(directory),
+    )
+
+
+class StageStateHook:
+    """Serves one stage's live state and writes its checkpoints (see the module docstring)."""
+
+    def __init__(
+        self,
+        rpc: RpcEndpoint,
+        dht: Any,
+        job: JobSpec,
+        executor: StageExecutor,
+        *,
+        epoch: int,
+        allowed: Iterable[str],
+        tasks: TaskOwner,
+        checkpoint: CheckpointConfig | None = None,
+        progress: Progress | None = None,
+    ) -> None:
+        self.rpc = rpc
+        self.dht = dht
+        self.job = job
+        self.executor = executor
+        self.epoch = epoch
+        self.allowed = frozenset(allowed)
+        self._tasks = tasks
+        self._progress = progress
+        first = executor.config.first_layer_index
+        self.writer = (
+            CheckpointWriter(checkpoint, job, first_layer=first, end_layer=first + len(executor.module))
+            if checkpoint is not None
+            else None
+        )
+        self.saved_steps: list[int] = []
+
+    async def start(self) -> None:
+        server = HandoverServer.of(self.rpc)
+        await server.start()
+        server.publish(
+            self.job.job_id,
+            ExecutorSource(self.executor, self._progress),
+            epoch=self.epoch,
+            allowed=self.allowed,
+        )
+
+    async def on_step(self, step: int) -> None:
+        """After an optimizer step (the stage's work waits): write a checkpoint if one is due."""
+        writer = self.writer
+        if writer is None or not writer.due(step):
+            return
+        progress = dict(self._progress()) if self._progress else {}
+        try:
+            await run_in_compute_thread(self._save, writer, step, progress)
+        except Exception as exc:  # a full disk must not fail the stage
+            logger.warning("checkpoint of step %d not written: %r", step, exc)
+            return
+        self.saved_steps.append(step)
+        if self.dht is not None:
+            self._tasks.spawn(self._announce(writer), name=f"announce-checkpoint-{step}")
+
+    def _save(self, writer: CheckpointWriter, step: int, progress: Mapping[str, int | float | str]) -> None:
+        meta = capture_meta(self.executor, progress)
+        writer.save(live_tensors(self.executor), step=step, meta=meta, progress=progress)
+
+    async def _announce(self, writer: CheckpointWriter) -> None:
+        try:
+            manifests = await run_in_compute_thread(writer.saved)
+            if manifests:
+                announcement = CheckpointAnnouncement.of(
+                    manifests, peer_id=self.rpc.peer_id, updated_at=time.time()
+                )
+                await announce_checkpoints(self.dht, announcement, ttl_s=_ANNOUNCE_TTL_S)
+        except Exception as exc:
+            logger.info("checkpoint announcement failed: %r", exc)
+
+
+def _scalars(values: Mapping[str, Any]) -> dict[str, int | float | str]:
+    out: dict[str, int | float | str] = {}
+    for key, value in values.items():
+        if isinstance(value, bool):
+            out[key] = int(value)
+        elif isinstance(value, int | float | str):
+            out[key] = value
+    return out
+
+
+async def attach_stage_state(runner: Any, service: StageService) -> StageStateHook:
+    """Serve `service`'s stage, and checkpoint it when due, for the life of `runner.run()`.
+
+    Chains onto ``service.on_step`` (after any hook already there, e.g. the replica averager's).
+    """
+    job: JobSpec = runner.job
+    placement = runner.placement
+    executor = service.executor
+    members = {s.peer_id for cluster in job.assignment or () for s in cluster} | set(placement.peers)
+
+    def progress() -> dict[str, int | float | str]:
+        report = getattr(runner, "progress", None)
+        if callable(report):
+            return _scalars(report().model_dump(mode="json"))
+        return {
+            "optimizer_steps": executor.num_steps,
+            "epoch": placement.epoch,
+            "micro_batches_this_plan": service.stats.completed if service.is_first else 0,
+        }
+
+    hook = StageStateHook(
+        runner.rpc,
+        runner.dht,
+        job,
+        executor,
+        epoch=placement.epoch,
+        allowed=members | set(job.state_readers),
+        tasks=runner._tasks,  # the runner's task owner closes the announcements with the run
+        checkpoint=checkpoint_config_for(job, getattr(runner, "checkpoint_dir", None)),
+        progress=progress,
+    )
+    await hook.start()
+    previous: Callable[[int], Awaitable[None]] | None = service.on_step
+
+    async def on_step(step: int) -> None:
+        if previous is not None:
+            await previous(step)
+        await hook.on_step(step)
+
+    service.on_step = on_step
+    return hook

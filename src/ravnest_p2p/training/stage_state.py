@@ -1,0 +1,417 @@
+"""A stage's training state keyed by global names, so it outlives the plan that split the model.
+
+Problem. When the plan moves, a layer range gets a new owner, possibly cut at other points than before
+(a new owner of layers [3, 7) may take them from the owners of [0, 5) and [5, 9), or from a replica in a
+cluster split elsewhere). Torch's own ``optimizer.state_dict()`` keys per-parameter state by the
+parameter's *position* in the optimizer, which means nothing once the split changes. So every tensor
+here is named by its place in the whole model:
+
+- ``<layer>.<attr>`` for parameters and buffers (`StageExecutor.parameters_by_name` /
+  ``buffers_by_name``, e.g. ``3.weight``, ``5.running_mean``);
+- ``optim/<param name>/<slot>`` for optimizer state: Adam/AdamW ``step``, ``exp_avg``, ``exp_avg_sq``;
+  SGD ``momentum_buffer``.
+
+Counters and the LR schedule position are a small JSON-able `StateMeta`. Every tensor has a digest (64
+bits of sha256 of its bytes, the same function as `training.replicas.tensor_digests` for floating
+tensors, so published stage digests can be checked against fetched state).
+
+Restore is all-or-nothing: `check_state` validates every name, shape, dtype, digest and finiteness
+against what the stage expects before `restore_state` changes anything. A stage is assembled from
+several sources with `merge_states` (disjoint names; duplicates must carry the same digest; counters
+must agree). Alternatives rejected: ``torch.save`` of the optimizer (pickle, positional keys); one blob
+per stage (a different split could not take part of it).
+
+Limits: one optimizer param group per stage (what `runtime.optim.build_optimizer` builds); gradients
+accumulated towards an unfinished ``update_every`` step are not state (they are dropped on restore, as
+`StageExecutor.load_state_dict` does); the global RNG is not captured (data order is the caller's
+progress, see `StateMeta.progress`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from ravnest_p2p.runtime.stage import StageExecutor
+from ravnest_p2p.transport.codec import all_finite
+
+__all__ = [
+    "OPTIM_PREFIX",
+    "StageState",
+    "StateMeta",
+    "StateMismatch",
+    "TensorEntry",
+    "capture_meta",
+    "capture_state",
+    "check_state",
+    "dtype_name",
+    "expected_entries",
+    "layer_of",
+    "live_tensors",
+    "merge_states",
+    "names_in_layers",
+    "optim_name",
+    "restore_state",
+    "sources_for_range",
+    "tensor_digest",
+]
+
+OPTIM_PREFIX = "optim/"
+_MAX_NAME_CHARS = 256
+_ADAM_SLOTS = ("step", "exp_avg", "exp_avg_sq")
+_SGD_SLOTS = ("momentum_buffer",)
+
+
+class StateMismatch(ValueError):
+    """A state does not fit the stage (name, shape, dtype, digest, counters); nothing was changed."""
+
+
+def optim_name(param_name: str, slot: str) -> str:
+    """Global name of one optimizer slot of one parameter, e.g. ``optim/3.weight/exp_avg``."""
+    return f"{OPTIM_PREFIX}{param_name}/{slot}"
+
+
+def _split_optim(name: str) -> tuple[str, str] | None:
+    if not name.startswith(OPTIM_PREFIX):
+        return None
+    param, _, slot = name[len(OPTIM_PREFIX) :].rpartition("/")
+    return (param, slot) if param and slot else None
+
+
+def layer_of(name: str) -> int:
+    """The model layer a state name belongs to (``optim/5.weight/step`` -> 5).
+
+    Raises:
+        StateMismatch: the name does not start with a layer index.
+    """
+    optim = _split_optim(name)
+    head = (optim[0] if optim else name).partition(".")[0]
+    if not head.isdigit() or len(head) > 9:
+        raise StateMismatch(f"{name[:_MAX_NAME_CHARS]!r} is not a global state name")
+    return int(head)
+
+
+def names_in_layers(names: Iterable[str], first_layer: int, end_layer: int) -> list[str]:
+    """The names among `names` of layers [first_layer, end_layer), in the given order."""
+    return [n for n in names if first_layer <= layer_of(n) < end_layer]
+
+
+def sources_for_range(
+    first_layer: int, end_layer: int, owners: Sequence[tuple[str, int, int]]
+) -> list[tuple[str, int, int]]:
+    """Who holds which part of [first_layer, end_layer): (peer id, first, end) pieces, in layer order.
+
+    `owners` are (peer id, first, end) of one previous split (e.g. one cluster's stages). Pure.
+
+    Raises:
+        ValueError: the owners do not cover the range.
+    """
+    pieces = []
+    for peer_id, first, end in sorted(owners, key=lambda o: o[1]):
+        lo, hi = max(first, first_layer), min(end, end_layer)
+        if lo < hi:
+            pieces.append((peer_id, lo, hi))
+    covered = first_layer
+    for _, lo, hi in pieces:
+        if lo > covered:
+            break
+        covered = max(covered, hi)
+    if covered < end_layer:
+        raise ValueError(f"layers [{covered}, {end_layer}) have no owner among {len(owners)}")
+    return pieces
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_digest(tensor: Tensor) -> str:
+    """64 bits of sha256 of a tensor's bytes (equal to `replicas.tensor_digests` for floating tensors)."""
+    data = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if data.dtype == torch.bfloat16:
+        data = data.view(torch.int16)
+    view = memoryview(data.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
+    return hashlib.sha256(view).hexdigest()[:16]
+
+
+class TensorEntry(BaseModel):
+    """What one named tensor is: announced by a sender, checked by a receiver before it allocates."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
+
+    name: str = Field(min_length=1, max_length=_MAX_NAME_CHARS)
+    dtype: str = Field(max_length=16)
+    shape: tuple[int, ...] = Field(max_length=8)
+    digest: str = Field(default="", max_length=64)
+
+    @property
+    def numel(self) -> int:
+        out = 1
+        for dim in self.shape:
+            out *= dim
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    @classmethod
+    def of(cls, name: str, tensor: Tensor, *, digest: bool = True) -> TensorEntry:
+        return cls(
+            name=name,
+            dtype=dtype_name(tensor.dtype),
+            shape=tuple(tensor.shape),
+            digest=tensor_digest(tensor) if digest else "",
+        )
+
+
+class StateMeta(BaseModel):
+    """Counters and the LR schedule position of a stage (JSON-able; travels with its tensors).
+
+    Attributes:
+        num_steps: optimizer steps the stage has taken.
+        lrs: the optimizer's current learning rate per param group (what the next step uses).
+        base_lrs / last_lrs / scheduler_last_epoch / scheduler_step_count: the LR scheduler's state.
+        progress: the caller's fields (e.g. samples, data position); not used by restore.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
+
+    schema_version: int = 1
+    num_steps: int = Field(ge=0)
+    lrs: tuple[float, ...] = Field(default=(), max_length=16)
+    base_lrs: tuple[float, ...] = Field(default=(), max_length=16)
+    last_lrs: tuple[float, ...] = Field(default=(), max_length=16)
+    scheduler_last_epoch: int = Field(default=0, ge=-1)
+    scheduler_step_count: int = Field(default=0, ge=0)
+    progress: dict[str, int | float | str] = Field(default_factory=dict, max_length=64)
+
+    def counters(self) -> StateMeta:
+        """This meta without the caller's progress (what restore uses and merge compares)."""
+        return self.model_copy(update={"progress": {}})
+
+
+@dataclasses.dataclass(frozen=True)
+class StageState:
+    """Named tensors (global names), their digests, and the stage's counters (None: tensors only)."""
+
+    tensors: dict[str, Tensor]
+    digests: dict[str, str]
+    meta: StateMeta | None = None
+
+    def subset(self, names: Iterable[str]) -> StageState:
+        """The state of `names` only (KeyError on a name it does not hold)."""
+        wanted = list(names)
+        return StageState(
+            tensors={n: self.tensors[n] for n in wanted},
+            digests={n: self.digests[n] for n in wanted},
+            meta=self.meta,
+        )
+
+    def entries(self) -> dict[str, TensorEntry]:
+        return {
+            n: TensorEntry(name=n, dtype=dtype_name(t.dtype), shape=tuple(t.shape), digest=self.digests[n])
+            for n, t in self.tensors.items()
+        }
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def _slots(executor: StageExecutor) -> tuple[str, ...]:
+    config = executor.config.optimizer
+    if config.name in ("adam", "adamw"):
+        return _ADAM_SLOTS
+    return _SGD_SLOTS if config.momentum > 0 else ()
+
+
+def expected_entries(executor: StageExecutor) -> dict[str, TensorEntry]:
+    """Every name this stage can hold, with its shape and dtype (no digests): its state's schema."""
+    out = {n: TensorEntry.of(n, t, digest=False) for n, t in executor.parameters_by_name().items()}
+    out.update({n: TensorEntry.of(n, t, digest=False) for n, t in executor.buffers_by_name().items()})
+    for name, param in executor.trainable_by_name().items():
+        for slot in _slots(executor):
+            shape = () if slot == "step" else tuple(param.shape)
+            dtype = "float32" if slot == "step" else dtype_name(param.dtype)
+            key = optim_name(name, slot)
+            out[key] = TensorEntry(name=key, dtype=dtype, shape=shape)
+    return out
+
+
+def live_tensors(executor: StageExecutor) -> dict[str, Tensor]:
+    """The stage's state tensors by global name, as the live tensors themselves (no copies).
+
+    Optimizer slots appear only once the optimizer has state for a parameter (after its first step).
+    """
+    out: dict[str, Tensor] = {n: p.detach() for n, p in executor.parameters_by_name().items()}
+    out.update({n: b.detach() for n, b in executor.buffers_by_name().items()})
+    optimizer = executor.optimizer
+    if optimizer is not None:
+        for name, param in executor.trainable_by_name().items():
+            for slot, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, Tensor):
+                    out[optim_name(name, slot)] = value.detach()
+    return out
+
+
+def capture_meta(
+    executor: StageExecutor, progress: Mapping[str, int | float | str] | None = None
+) -> StateMeta:
+    """The stage's counters and schedule position (plus the caller's `progress`)."""
+    optimizer, scheduler = executor.optimizer, executor.scheduler
+    fields: dict[str, object] = {"num_steps": executor.num_steps, "progress": dict(progress or {})}
+    if optimizer is not None:
+        fields["lrs"] = tuple(float(g["lr"]) for g in optimizer.param_groups)
+    if scheduler is not None:
+        fields.update(
+            base_lrs=tuple(float(x) for x in scheduler.base_lrs),
+            last_lrs=tuple(float(x) for x in scheduler.get_last_lr()),
+            scheduler_last_epoch=int(scheduler.last_epoch),
+            scheduler_step_count=int(getattr(scheduler, "_step_count", 0)),
+        )
+    return StateMeta.model_validate(fields)
+
+
+def capture_state(
+    executor: StageExecutor,
+    names: Iterable[str] | None = None,
+    *,
+    progress: Mapping[str, int | float | str] | None = None,
+) -> StageState:
+    """A copy of the stage's state (all of it, or `names`), with digests and counters.
+
+    Raises:
+        StateMismatch: a name the stage does not hold.
+    """
+    live = live_tensors(executor)
+    wanted = list(live) if names is None else list(names)
+    missing = [n for n in wanted if n not in live]
+    if missing:
+        raise StateMismatch(f"this stage holds no {missing[:5]}")
+    tensors = {n: live[n].clone() for n in wanted}
+    return StageState(
+        tensors=tensors,
+        digests={n: tensor_digest(t) for n, t in tensors.items()},
+        meta=capture_meta(executor, progress),
+    )
+
+
+def merge_states(parts: Sequence[StageState], *, meta: StateMeta | None = None) -> StageState:
+    """One state from several sources (e.g. the two previous owners of a new owner's layers).
+
+    Names must be disjoint, or carry the same digest. Counters (`StateMeta` without progress) must agree
+    unless `meta` is given, which then wins.
+
+    Raises:
+        StateMismatch: two sources disagree.
+    """
+    tensors: dict[str, Tensor] = {}
+    digests: dict[str, str] = {}
+    for part in parts:
+        for name, tensor in part.tensors.items():
+            if name in digests and digests[name] != part.digests[name]:
+                raise StateMismatch(f"sources disagree on {name}")
+            tensors[name], digests[name] = tensor, part.digests[name]
+    if meta is None:
+        metas = [p.meta for p in parts if p.meta is not None]
+        if any(m.counters() != metas[0].counters() for m in metas[1:]):
+            raise StateMismatch(f"sources are at different steps: {sorted({m.num_steps for m in metas})}")
+        meta = metas[0] if metas else None
+    return StageState(tensors=tensors, digests=digests, meta=meta)
+
+
+def check_state(executor: StageExecutor, state: StageState, *, complete: bool = True) -> None:
+    """Validate `state` for this stage without changing anything (see `restore_state`).
+
+    Raises:
+        StateMismatch: the first problem found.
+    """
+    expected = expected_entries(executor)
+    for name, tensor in state.tensors.items():
+        entry = expected.get(name)
+        if entry is None:
+            raise StateMismatch(f"{name[:_MAX_NAME_CHARS]!r} is not part of this stage")
+        if tuple(tensor.shape) != entry.shape or dtype_name(tensor.dtype) != entry.dtype:
+            raise StateMismatch(
+                f"{name}: {dtype_name(tensor.dtype)}{tuple(tensor.shape)} != {entry.dtype}{entry.shape}"
+            )
+        if tensor.is_floating_point() and not all_finite(tensor):
+            raise StateMismatch(f"{name} has non-finite values")
+        digest = state.digests.get(name)
+        if digest is None or tensor_digest(tensor) != digest:
+            raise StateMismatch(f"{name}: digest does not match its bytes")
+    slots = _slots(executor)
+    for param in executor.trainable_by_name():
+        present = [s for s in slots if optim_name(param, s) in state.tensors]
+        if present and len(present) != len(slots):
+            raise StateMismatch(f"optimizer state of {param} is partial: {present}")
+    if complete:
+        model_names = {n for n in expected if _split_optim(n) is None}
+        missing = sorted(model_names - set(state.tensors))
+        if missing:
+            raise StateMismatch(f"state lacks {len(missing)} tensors of this stage, e.g. {missing[:3]}")
+        if state.meta is None:
+            raise StateMismatch("a complete restore needs the counters (StateMeta)")
+        with_optim = {
+            p for p in executor.trainable_by_name() if slots and optim_name(p, slots[0]) in state.tensors
+        }
+        if with_optim and len(with_optim) != len(executor.trainable_by_name()):
+            raise StateMismatch("optimizer state covers only some parameters of this stage")
+    meta = state.meta
+    if meta is not None and executor.optimizer is not None and meta.lrs:
+        groups = len(executor.optimizer.param_groups)
+        if len(meta.lrs) != groups or len(meta.base_lrs) not in (0, groups):
+            raise StateMismatch(f"counters name {len(meta.lrs)} param groups; this stage has {groups}")
+
+
+def restore_state(executor: StageExecutor, state: StageState, *, complete: bool = True) -> None:
+    """Load `state` into the stage, all or nothing; drops pending gradients and the weight stash.
+
+    With `complete` (a hand-over) the state must cover every parameter and buffer of the stage and carry
+    counters; optimizer state is then exactly the given one (none given: fresh). Without it (e.g.
+    fine-tuning from parameters only) just the given names change, plus the counters if given.
+
+    Raises:
+        StateMismatch: anything does not fit (nothing changed).
+        RuntimeError: micro-batches are in flight (nothing changed).
+    """
+    if executor.in_flight:
+        raise RuntimeError(f"cannot restore state with micro-batches in flight: {executor.in_flight}")
+    check_state(executor, state, complete=complete)
+    model = {n: t for n, t in state.tensors.items() if _split_optim(n) is None}
+    if model:
+        executor.assign_parameters(model)
+    optimizer = executor.optimizer
+    if optimizer is not None:
+        slots = _slots(executor)
+        for name, param in executor.trainable_by_name().items():
+            given = {
+                s: state.tensors[optim_name(name, s)] for s in slots if optim_name(name, s) in state.tensors
+            }
+            if given:
+                optimizer.state[param] = {s: t.detach().clone() for s, t in given.items()}
+            elif complete:
+                optimizer.state.pop(param, None)
+    meta = state.meta
+    if meta is not None:
+        _restore_counters(executor, meta)
+
+
+def _restore_counters(executor: StageExecutor, meta: StateMeta) -> None:
+    optimizer, scheduler = executor.optimizer, executor.scheduler
+    if optimizer is not None and meta.lrs:
+        for group, lr, base in zip(optimizer.param_groups, meta.lrs, meta.base_lrs or meta.lrs, strict=False):
+            group["lr"] = lr
+            group["initial_lr"] = base
+    if scheduler is not None and meta.base_lrs:
+        scheduler.base_lrs = list(meta.base_lrs)
+        scheduler.last_epoch = meta.scheduler_last_epoch
+        scheduler._step_count = meta.scheduler_step_count  # type: ignore[attr-defined]
+        scheduler._last_lr = list(meta.last_lrs or meta.lrs)  # type: ignore[attr-defined]
+    executor.set_num_steps(meta.num_steps)
