@@ -33,7 +33,9 @@ __all__ = ["LabRun"]
 class LabRun:
     """A lab of ``len(rates_mbps)`` namespaces with symmetric shaped links, and the processes in it."""
 
-    def __init__(self, rates_mbps: Sequence[float | None], *, prefix: str | None = None) -> None:
+    def __init__(
+        self, rates_mbps: Sequence[float | None], *, prefix: str | None = None, run_owner: str | None = None
+    ) -> None:
         peers: list[dict[str, Any]] = []
         for i, rate in enumerate(rates_mbps):
             peer: dict[str, Any] = {"name": f"n{i}"}
@@ -41,12 +43,17 @@ class LabRun:
                 peer.update(upload_mbps=rate, download_mbps=rate)
             peers.append(peer)
         self.rates_mbps = list(rates_mbps)
+        self.run_owner = run_owner  # the owner's peer id for the peers a benchmark starts (`owner_args`)
         self.lab = NetnsLab(
             parse_profile({"run_id": "labrun", "peers": peers}), prefix=prefix or f"rvb{secrets.token_hex(2)}"
         )
         self.addresses = [self.lab.address_of(i) for i in range(len(peers))]
         self.workdir = Path(tempfile.mkdtemp(prefix="ravnest-labrun-"))
         self.procs: dict[int, list[subprocess.Popen[bytes]]] = {}
+
+    def owner_args(self) -> list[str]:
+        """``--run-owner <id>`` for a peer's argv, or nothing for an open run."""
+        return ["--run-owner", self.run_owner] if self.run_owner is not None else []
 
     def log_path(self, index: int) -> Path:
         return self.workdir / f"{index}.log"

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import TracebackType
 
-from ravnest_p2p.discovery import PeerDirectory, PeerRecord, RunDHT, dht_time
+from ravnest_p2p.discovery import OWNERS_KEY, OwnersRecord, PeerDirectory, PeerRecord, RunDHT, dht_time
 from ravnest_p2p.errors import RavnestError
+from ravnest_p2p.membership import DhtPlanBoard
 from ravnest_p2p.training.job import JobSpec
-from ravnest_p2p.training.metrics import StageMetrics, metrics_key
+from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics, member_metrics, plan_members
 from ravnest_p2p.training.placement import plan_assignment
 from ravnest_p2p.training.progress import JobProgress, ProgressView, publish_progress, read_progress
+from ravnest_p2p.training.run_keys import run_keys
 from ravnest_p2p.training.runner import JOB_KEY, read_job_signed
 
 __all__ = ["RunClient", "current_plan_done", "newest_epoch"]
@@ -74,8 +77,25 @@ class RunClient:
         self._directory = PeerDirectory(dht, dht.transport, dial_new_peers=True)
 
     @classmethod
-    async def connect(cls, initial_peers: Sequence[str], run_id: str = "default") -> RunClient:
-        client = cls(await RunDHT.join_as_client(initial_peers, run_id=run_id))
+    async def connect(
+        cls,
+        initial_peers: Sequence[str],
+        run_id: str = "default",
+        *,
+        identity_path: str | Path | None = None,
+        run_owner: str | None = None,
+    ) -> RunClient:
+        """Join the run as a DHT client.
+
+        Args:
+            identity_path: the researcher's key file (created if missing): the same file makes the same
+                `peer_id`, i.e. the same run owner, across sessions. None: a fresh identity.
+            run_owner: the run's owner, if it is not this client (only its ``owners`` record is kept).
+        """
+        dht = await RunDHT.join_as_client(
+            initial_peers, run_id=run_id, identity_path=identity_path, keys=run_keys(), run_owner=run_owner
+        )
+        client = cls(dht)
         try:
             await client.peers()  # dials the peers our initial peers know of: the whole DHT becomes reachable
         except BaseException:
@@ -107,32 +127,64 @@ class RunClient:
         """The job with an explicit assignment computed by the planner over `records`."""
         return job.model_copy(update={"assignment": plan_assignment(records, job, min_stages=min_stages)})
 
+    @property
+    def peer_id(self) -> str:
+        """This client's peer id: the owner id to give peers (``--run-owner``) for runs it owns."""
+        peer_id = self.dht.peer_id
+        assert peer_id is not None  # a client always has its own transport
+        return peer_id
+
     async def publish_job(self, job: JobSpec, *, ttl_s: float = 3600.0) -> None:
-        """Publish `job`. With an assignment it runs there; without, on the peers' agreed plan."""
+        """Publish `job`. With an assignment it runs there; without, on the peers' agreed plan.
+
+        Peers of an owned run train it only if this client is the owner or a key the owner lists.
+        `ttl_s` may not exceed the ``job`` key's maximum (one day): republish to run longer.
+        """
+        max_ttl_s = self.dht.max_ttl_s(JOB_KEY)
+        if max_ttl_s is not None and ttl_s > max_ttl_s:
+            raise ValueError(f"a job's ttl_s is at most {max_ttl_s:.0f} s (got {ttl_s:.0f})")
         if not await self.dht.store_own(JOB_KEY, job.to_wire(), ttl_s=ttl_s):
             raise RavnestError("no DHT peer accepted the job")
 
-    async def metrics(
-        self, *, epoch: int | None = None, job_id: str | None = None, also_epochs: Iterable[int] = ()
-    ) -> list[StageMetrics]:
-        """Stage metrics of `epoch`, or (None) of every epoch the peers' records name, epoch 0 and
-        `also_epochs` (e.g. the epoch a job's progress record names: the swarm may have moved on)."""
-        epochs = {epoch} if epoch is not None else {0, *also_epochs} | {r.epoch for r in await self.peers()}
-        latest: dict[tuple[str, str], StageMetrics] = {}  # (job, peer) -> newest metrics over epochs
-        for e in sorted(epochs):
-            # final metrics are pinned at the initial peers: read them there too
-            found = await self.dht.get_signed(metrics_key(e), from_initial_peers=True)
-            for signer, (value, _) in found.items():
-                try:
-                    m = StageMetrics.model_validate(value)
-                except Exception:
-                    continue
-                if m.peer_id != signer or (job_id is not None and m.job_id != job_id):
-                    continue
-                key = (m.job_id, m.peer_id)
-                if key not in latest or m.updated_at > latest[key].updated_at:
-                    latest[key] = m
+    async def publish_owners(self, keys: Sequence[str], *, ttl_s: float = 86400.0) -> None:
+        """As the run's owner, let the peer ids `keys` publish jobs too, for `ttl_s` (at most 7 days).
+
+        A delegate's jobs count only while this record lives and never expire after it.
+        """
+        max_ttl_s = self.dht.max_ttl_s(OWNERS_KEY)
+        if max_ttl_s is not None and ttl_s > max_ttl_s:
+            raise ValueError(f"the owners record's ttl_s is at most {max_ttl_s:.0f} s (got {ttl_s:.0f})")
+        record = OwnersRecord(owner=self.peer_id, keys=tuple(keys), updated_at=dht_time())
+        if not await self.dht.store_own(OWNERS_KEY, record.model_dump(mode="json"), ttl_s=ttl_s):
+            raise RavnestError("no DHT peer accepted the owners record")
+
+    async def metrics(self, *, epoch: int | None = None, job_id: str | None = None) -> list[StageMetrics]:
+        """The newest stage metrics of each (job, peer), optionally of one plan `epoch` and one job."""
+        latest: dict[tuple[str, str], StageMetrics] = {}  # (job, peer) -> newest metrics
+        # final metrics are pinned at the initial peers: read them there too
+        found = await self.dht.get_signed(METRICS_KEY, from_initial_peers=True)
+        for signer, (value, _) in found.items():
+            try:
+                m = StageMetrics.model_validate(value)
+            except Exception:
+                continue
+            if m.peer_id != signer or (job_id is not None and m.job_id != job_id):
+                continue
+            if epoch is not None and m.epoch != epoch:
+                continue
+            key = (m.job_id, m.peer_id)
+            if key not in latest or m.updated_at > latest[key].updated_at:
+                latest[key] = m
         return sorted(latest.values(), key=lambda m: (m.cluster, m.stage))
+
+    async def member_metrics(self, job: JobSpec, metrics: Sequence[StageMetrics]) -> list[StageMetrics]:
+        """`metrics` of `job` from the peers that hold the positions they report (see
+        `training.metrics.member_metrics`): the job's assignment, or the plan in peers' signed records."""
+        if job.assignment is not None:
+            return member_metrics(metrics, assignment=job.assignment)
+        records = {r.peer_id: r for r in await self.peers()}
+        plans = await DhtPlanBoard(self.dht).read_all()
+        return member_metrics(metrics, members=plan_members(records, plans))
 
     async def progress(self, job_id: str) -> ProgressView | None:
         """The job's merged progress record (`training.progress`): data position, steps, done/ended."""
@@ -163,13 +215,15 @@ class RunClient:
         """(metrics to show, done) of one poll of `job` (raises `RavnestError` if the job failed)."""
         if job.assignment is not None:
             # an explicit assignment: a fixed set of clusters on epoch 0
-            current = newest_epoch(await self.metrics(job_id=job.job_id))
+            current = newest_epoch(await self.member_metrics(job, await self.metrics(job_id=job.job_id)))
             return current, _job_done(current, len(job.assignment))
         progress = await self.progress(job.job_id)
-        also = (progress.epoch,) if progress is not None else ()
-        metrics = await self.metrics(job_id=job.job_id, also_epochs=also)
+        signed = await self.metrics(job_id=job.job_id)
+        metrics = await self.member_metrics(job, signed)
         if progress is not None and progress.done:
-            return newest_epoch(metrics), True
+            # the swarm may have moved to a plan that no longer names the peers that finished the job:
+            # their (signed) metrics are still what the job ended with
+            return newest_epoch(metrics or signed), True
         if progress is not None and progress.ended:
             raise RavnestError(f"job {job.job_id} ended: {progress.reason}")
         records = await self.peers()
@@ -187,7 +241,8 @@ class RunClient:
 
         Done: the job's progress record says done, or every first stage of the CURRENT plan reports
         done (a job without assignment follows the job across re-plans and never waits on a dead peer);
-        with an explicit assignment, every first stage of it reports done.
+        with an explicit assignment, every first stage of it reports done. Only metrics of peers that are
+        members of the job's assignment or plan count (`member_metrics`).
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s

@@ -1,11 +1,16 @@
 """`make demo`: three peers on loopback find each other, measure themselves, and train the digits CNN
 as a 3-stage asynchronous pipeline; progress (loss, samples/s) is shown, then the test accuracy.
+
+The run is owned: the researcher's identity (a key file) is made first, the peers start with
+``--run-owner <its peer id>``, and only jobs signed with that key are trained.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
+import tempfile
+from pathlib import Path
 
 from ravnest_p2p.client import RunClient
 from ravnest_p2p.runtime.optim import OptimizerConfig
@@ -13,6 +18,7 @@ from ravnest_p2p.status import format_table
 from ravnest_p2p.swarm import LocalSwarm
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import StageMetrics
+from ravnest_p2p.transport import load_or_create_identity
 
 NUM_PEERS = 3
 RUN_ID = "demo"
@@ -33,8 +39,8 @@ def _progress(metrics: list[StageMetrics]) -> None:
         )
 
 
-async def _run(initial_peers: list[str]) -> float:
-    async with await RunClient.connect(initial_peers, RUN_ID) as client:
+async def _run(initial_peers: list[str], identity_path: Path) -> float:
+    async with await RunClient.connect(initial_peers, RUN_ID, identity_path=identity_path) as client:
         records = await client.wait_for_peers(NUM_PEERS, timeout_s=120)
         print("\nmembership (measured by each peer):\n" + format_table(records), flush=True)
         job = JobSpec(
@@ -65,9 +71,16 @@ async def _run(initial_peers: list[str]) -> float:
 
 
 def main() -> int:
-    print(f"starting {NUM_PEERS} peers on 127.0.0.1 ...", flush=True)
-    with LocalSwarm(NUM_PEERS - 1, run_id=RUN_ID) as swarm:
-        accuracy = asyncio.run(_run(swarm.initial_peers))
+    with tempfile.TemporaryDirectory(prefix="ravnest-demo-") as tmp:
+        identity_path = Path(tmp) / "owner.key"
+        owner = load_or_create_identity(identity_path).peer_id
+        print(f"starting {NUM_PEERS} peers on 127.0.0.1, run {RUN_ID!r} owned by {owner} ...", flush=True)
+        return _demo(identity_path, owner)
+
+
+def _demo(identity_path: Path, owner: str) -> int:
+    with LocalSwarm(NUM_PEERS - 1, run_id=RUN_ID, run_owner=owner) as swarm:
+        accuracy = asyncio.run(_run(swarm.initial_peers, identity_path))
         print(f"\nfinal test accuracy: {accuracy:.2%}", flush=True)
         codes = swarm.stop()
     print(f"shut down; exit codes: {codes}")

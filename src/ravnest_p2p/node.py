@@ -23,6 +23,7 @@ from ravnest_p2p.training.handover import HandoverServer
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.placement import job_params, layer_profiles
 from ravnest_p2p.training.role import StageRole
+from ravnest_p2p.training.run_keys import run_keys
 from ravnest_p2p.training.runner import StageRunner
 from ravnest_p2p.training.stage_state import StageState
 from ravnest_p2p.training.state_source import HandoverStateSource
@@ -57,6 +58,10 @@ class PeerConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     run_id: str = Field(default="default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    # the owner's peer id: only its jobs (or those of keys it lists) are trained; None: an open run
+    run_owner: str | None = Field(
+        default=None, min_length=10, max_length=128, pattern=r"^[1-9A-HJ-NP-Za-km-z]+$"
+    )
     initial_peers: tuple[str, ...] = ()
     identity_path: Path | None = None
     host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
@@ -162,6 +167,8 @@ class Peer:
                 run_id=config.run_id,
                 initial_peers=config.initial_peers,
                 client_mode=config.client_mode,
+                keys=run_keys(),
+                run_owner=config.run_owner,
             )
         except BaseException:
             await transport.aclose()
@@ -189,6 +196,10 @@ class Peer:
             self._tasks.spawn(self.membership.run(), name="membership")
         self._tasks.spawn(self.supervisor.run(), name="jobs")
         logger.info("peer %s ready: %.1f GFLOP/s", self.peer_id, self.flops / 1e9)
+        if self.config.run_owner is None:
+            logger.warning(
+                "run %r has no owner: this peer trains anyone's job (see --run-owner)", self.config.run_id
+            )
 
     @property
     def peer_id(self) -> str:
@@ -282,6 +293,7 @@ class Peer:
             epoch=epoch,
             cluster=cluster,
             stage=stage,
+            run_owner=self.config.run_owner,
             updated_at=dht_time(),
         )
 

@@ -53,6 +53,11 @@ def build_parser() -> OneLineArgumentParser:
         help="multiaddrs others should use to reach this peer (explicit ports)",
     )
     p.add_argument("--run-id", help="training run to join (default: 'default')")
+    p.add_argument(
+        "--run-owner",
+        metavar="PEER_ID",
+        help="peer id of the run's owner: only its jobs are trained (omit: an open run, anyone's jobs)",
+    )
     p.add_argument("--device", help="torch device to train on: cpu, cuda[:N], mps")
     p.add_argument("--max-memory-gb", type=float, help="cap on memory this peer offers")
     p.add_argument(
@@ -88,6 +93,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[PeerConfig, str
         "host_maddrs",
         "announce_maddrs",
         "run_id",
+        "run_owner",
         "device",
         "max_memory_gb",
         "use_relay",
@@ -121,7 +127,8 @@ async def _serve(config: PeerConfig) -> int:
     except RavnestError as exc:
         fail(str(exc), prog=PROG)
     try:
-        print(f"ravnest_p2p peer {peer.peer_id} (run '{config.run_id}')", flush=True)
+        owner = f"owner {config.run_owner}" if config.run_owner else "no owner: anyone's jobs are trained"
+        print(f"ravnest_p2p peer {peer.peer_id} (run '{config.run_id}', {owner})", flush=True)
         for maddr in peer.maddrs:
             print(f"  join with: --initial-peers {maddr}", flush=True)
         while not stop.is_set():

@@ -1,4 +1,9 @@
-"""`python -m ravnest_p2p.status`: join the DHT as a client and print the run's live peers."""
+"""`python -m ravnest_p2p.status`: join the DHT as a client and print the run's live peers and owner.
+
+Who owns a run is what its peers enforce: each peer's signed record names the owner whose jobs it
+trains (``--run-owner`` of the peer), or none (an open run: anyone's job is trained). With
+``--run-owner`` the tool also says how many peers enforce a different owner, or none.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +16,9 @@ from ravnest_p2p.cli_common import OneLineArgumentParser, fail, run_loop
 from ravnest_p2p.discovery import PeerDirectory, PeerRecord, RunDHT
 from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.membership import DhtPlanBoard
+from ravnest_p2p.training.run_keys import run_keys
 
-__all__ = ["fetch_peers", "fetch_run", "format_plan", "format_table", "main"]
+__all__ = ["fetch_peers", "fetch_run", "format_owner", "format_plan", "format_table", "main", "run_owners"]
 
 PROG = "python -m ravnest_p2p.status"
 
@@ -26,10 +32,12 @@ async def fetch_peers(
 
 
 async def fetch_run(
-    initial_peers: Sequence[str], run_id: str, *, timeout_s: float = 20.0
+    initial_peers: Sequence[str], run_id: str, *, timeout_s: float = 20.0, run_owner: str | None = None
 ) -> tuple[list[PeerRecord], int, dict[str, str]]:
-    """Records (sorted by peer id), the newest epoch they report, and the ``plan/<epoch>`` digests."""
-    dht = await RunDHT.join_as_client(initial_peers, run_id=run_id, timeout_s=timeout_s)
+    """Records (sorted by peer id), the newest epoch they report, and that epoch's ``plan`` digests."""
+    dht = await RunDHT.join_as_client(
+        initial_peers, run_id=run_id, timeout_s=timeout_s, keys=run_keys(), run_owner=run_owner
+    )
     try:
         directory = PeerDirectory(dht, dht.transport, dial_new_peers=True)
         peers = await directory.refresh()  # read via our initial peers, then dial whom they name
@@ -51,6 +59,32 @@ def format_plan(records: Sequence[PeerRecord], epoch: int, digests: dict[str, st
     return f"epoch {epoch}: {num_clusters} clusters, {len(placed)} stages placed; plan digests: {agree}"
 
 
+def run_owners(records: Sequence[PeerRecord]) -> Counter[str | None]:
+    """How many peers enforce each owner (None: open run) according to their signed records."""
+    return Counter(r.run_owner for r in records if not r.client_mode)
+
+
+def format_owner(records: Sequence[PeerRecord], run_owner: str | None = None) -> str:
+    """One line: who owns the run, as its peers enforce it (and against `run_owner`, if given)."""
+    owners = run_owners(records)
+    total = sum(owners.values())
+    if not owners:
+        return f"owner: {run_owner or 'unknown'} (no peers)"
+    top, count = owners.most_common(1)[0]
+    if top is None:
+        line = f"open run: no owner; {count}/{total} peers train anyone's job (start peers with --run-owner)"
+    else:
+        line = f"owner: {top} ({count}/{total} peers enforce it)"
+    if len(owners) > 1:
+        others = ", ".join(
+            f"{n} {'open' if o is None else 'owned by …' + o[-8:]}" for o, n in owners.items() if o != top
+        )
+        line += f"; WARNING other peers: {others}"
+    if run_owner is not None and owners.get(run_owner, 0) != total:
+        line += f"; WARNING {total - owners.get(run_owner, 0)}/{total} peers do not enforce owner {run_owner}"
+    return line
+
+
 def format_table(records: Sequence[PeerRecord]) -> str:
     columns = [("peer", "<14"), ("state", "<9"), ("GFLOP/s", ">9"), ("mem GB", ">7")]
     columns += [("up Mb/s", ">9"), ("down Mb/s", ">9"), ("rtt ms", ">7"), ("epoch", ">5"), ("cl/st", ">7")]
@@ -70,20 +104,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineArgumentParser(prog=PROG, description="List the live peers of a ravnest_p2p run.")
     parser.add_argument("--initial-peers", action="extend", nargs="+", required=True, metavar="MADDR")
     parser.add_argument("--run-id", default="default")
+    parser.add_argument("--run-owner", metavar="PEER_ID", help="the owner's peer id the peers should enforce")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
 
     async def run() -> int:
         try:
-            records, epoch, digests = await fetch_run(args.initial_peers, args.run_id)
+            records, epoch, digests = await fetch_run(
+                args.initial_peers, args.run_id, run_owner=args.run_owner
+            )
         except RavnestError as exc:
             fail(str(exc), prog=PROG)
         if args.json:
             peers_json = [r.model_dump(mode="json") for r in records]
-            out = {"run_id": args.run_id, "epoch": epoch, "plan_digests": digests, "peers": peers_json}
+            owners = run_owners(records)
+            out = {
+                "run_id": args.run_id,
+                "run_owner": owners.most_common(1)[0][0] if owners else args.run_owner,
+                "owner_line": format_owner(records, args.run_owner),
+                "epoch": epoch,
+                "plan_digests": digests,
+                "peers": peers_json,
+            }
             print(json.dumps(out))
         else:
             print(format_table(records))
+            print(format_owner(records, args.run_owner))
             print(format_plan(records, epoch, digests))
         return 0
 

@@ -104,6 +104,7 @@ class LocalSwarm:
         num_peers: int,
         *,
         run_id: str = "default",
+        run_owner: str | None = None,
         bootstrap: str = "peer",
         peer_args: Sequence[str] = (),
         per_peer_args: Sequence[Sequence[str]] | None = None,
@@ -117,6 +118,7 @@ class LocalSwarm:
             raise ValueError("per_peer_args needs one entry per peer")
         self.num_peers = num_peers
         self.run_id = run_id
+        self.run_owner = run_owner
         self.bootstrap_kind = bootstrap
         self.peer_args = list(peer_args)
         self.per_peer_args = (
@@ -153,6 +155,8 @@ class LocalSwarm:
 
     def _peer_argv(self, extra: Sequence[str]) -> list[str]:
         argv = [sys.executable, "-m", "ravnest_p2p.peer", "--run-id", self.run_id, *self.peer_args, *extra]
+        if self.run_owner is not None:
+            argv += ["--run-owner", self.run_owner]
         if self.bootstrap is not None:
             argv += ["--initial-peers", *self.initial_peers]
         return argv
@@ -197,6 +201,8 @@ def _status_json(state: SwarmState, timeout_s: float) -> dict[str, Any]:
     """Run the status tool next to the bootstrap (inside its namespace in netns mode)."""
     argv = [sys.executable, "-m", "ravnest_p2p.status", "--initial-peers", *state.bootstrap.maddrs]
     argv += ["--run-id", state.run_id, "--json"]
+    if state.run_owner is not None:
+        argv += ["--run-owner", state.run_owner]
     if state.bootstrap.namespace is not None:
         argv = ["ip", "netns", "exec", state.bootstrap.namespace, *argv]
     proc = subprocess.Popen(
@@ -268,6 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--netns", action="store_true", help="one network namespace per peer, shaped (root)")
     up.add_argument("--config", help="TOML of PeerConfig fields passed to every peer (e.g. [probe])")
     up.add_argument("--run-id", help="run id of the peers (default: the profile's)")
+    up.add_argument("--run-owner", metavar="PEER_ID", help="the run owner's peer id (default: an open run)")
     up.add_argument("--bootstrap", choices=["hivemind-dht", "peer"], default="hivemind-dht")
     up.add_argument("--port", type=int, default=31337, help="every peer's port in netns mode")
     up.add_argument("--timeout-s", type=float, default=120.0, help="startup deadline per process")
@@ -285,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             netns=args.netns,
             prefix=args.prefix,
             run_id=args.run_id,
+            run_owner=args.run_owner,
             peer_config=args.config,
             port=args.port,
             bootstrap=args.bootstrap,

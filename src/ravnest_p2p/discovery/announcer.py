@@ -6,7 +6,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from ravnest_p2p.discovery.dht import RunDHT
+from ravnest_p2p.discovery.dht import RunDHT, dht_time
 from ravnest_p2p.discovery.records import PeerRecord
 from ravnest_p2p.types import PeerState
 
@@ -28,6 +28,7 @@ class Announcer:
         self.ttl_s = ttl_s
         self._wake = asyncio.Event()
         self.num_published = 0
+        self._expires_at = 0.0  # expiry of the last record we stored
 
     def refresh_soon(self) -> None:
         """Publish now rather than at the next period (e.g. after a measurement or state change)."""
@@ -37,11 +38,13 @@ class Announcer:
         record = self._make_record()
         if state is not None:
             record = record.model_copy(update={"state": state})
+        ttl_s = ttl_s or self.ttl_s
         ok = await self._dht.store_own(
-            PEERS_KEY, record.model_dump(mode="json"), ttl_s=ttl_s or self.ttl_s, pin_to_initial_peers=True
+            PEERS_KEY, record.model_dump(mode="json"), ttl_s=ttl_s, pin_to_initial_peers=True
         )
         if ok:
             self.num_published += 1
+            self._expires_at = max(self._expires_at, dht_time() + ttl_s)
         else:
             logger.warning("no DHT replica accepted our record; will retry")
         return ok
@@ -61,8 +64,14 @@ class Announcer:
                 pass
 
     async def drain(self, *, linger_s: float = 5.0) -> None:
-        """Announce `draining` with a short expiry, so others stop planning around us quickly."""
+        """Announce `draining`, so others stop planning around us quickly.
+
+        A DHT replica keeps a subkey's value only for a later expiry, so the draining record expires
+        `linger_s` from now or just after our last record, whichever is later (a shorter one was refused
+        by every replica: peers saw us as active until our last record expired).
+        """
+        ttl_s = max(linger_s, self._expires_at - dht_time() + 0.01)
         try:
-            await asyncio.wait_for(self.publish_once(state=PeerState.DRAINING, ttl_s=linger_s), 5.0)
+            await asyncio.wait_for(self.publish_once(state=PeerState.DRAINING, ttl_s=ttl_s), 5.0)
         except Exception as exc:
             logger.info("could not announce draining: %r", exc)

@@ -19,17 +19,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from hivemind.dht import DHTNode
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
-from hivemind.dht.validation import DHTRecord
+from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 
+from ravnest_p2p.discovery.keys import KeyRegistry, is_fresh
 from ravnest_p2p.discovery.records import owner_public_key
+from ravnest_p2p.discovery.validator import RunRecordValidator, discovery_keys, run_key
 from ravnest_p2p.errors import DiscoveryError
 from ravnest_p2p.transport.identity import load_or_create_identity, peer_id_from_public_key
 from ravnest_p2p.transport.p2p import HostConfig, P2PTransport
@@ -53,7 +56,11 @@ def dht_time() -> float:
 
 
 class RunDHT:
-    """The DHT as seen by one run: keys are ``ravnest/<run_id>/<name>``; our subkey is our public key."""
+    """The DHT as seen by one run: keys are ``ravnest/<run_id>/<name>``; our subkey is our public key.
+
+    Records under the run's fixed names (`keys`) pass a `RunRecordValidator` on every store and read;
+    `run_owner` (a peer id) is the run's owner, None for an open run.
+    """
 
     def __init__(
         self,
@@ -63,9 +70,12 @@ class RunDHT:
         *,
         transport: P2PTransport | None = None,
         initial_peer_ids: Sequence[str] = (),
+        run_validator: RunRecordValidator | None = None,
     ) -> None:
         self._node = node
         self._validator = validator
+        self.run_validator = run_validator or RunRecordValidator(run_id, discovery_keys())
+        self._chain = CompositeValidator([validator, self.run_validator])
         self.run_id = run_id
         self.transport = transport
         self.initial_peer_ids = tuple(initial_peer_ids)
@@ -73,15 +83,33 @@ class RunDHT:
 
     @classmethod
     async def join_as_client(
-        cls, initial_peers: Sequence[str], *, run_id: str, timeout_s: float = 20.0
+        cls,
+        initial_peers: Sequence[str],
+        *,
+        run_id: str,
+        timeout_s: float = 20.0,
+        identity_path: str | Path | None = None,
+        keys: KeyRegistry | None = None,
+        run_owner: str | None = None,
     ) -> RunDHT:
-        """Join the run as a DHT client with a fresh identity; `aclose` also stops its p2p daemon."""
+        """Join the run as a DHT client; `aclose` also stops its p2p daemon.
+
+        With `identity_path` the client keeps one identity (peer id, signing key) across sessions, so
+        a researcher stays the owner of the runs it started; without, it gets a fresh one.
+        """
         transport = await P2PTransport.create(
             HostConfig(initial_peers=tuple(initial_peers), client_mode=True, startup_timeout_s=timeout_s),
-            load_or_create_identity(None),
+            load_or_create_identity(Path(identity_path) if identity_path is not None else None),
         )
         try:
-            dht = await cls.create(transport, run_id=run_id, initial_peers=initial_peers, client_mode=True)
+            dht = await cls.create(
+                transport,
+                run_id=run_id,
+                initial_peers=initial_peers,
+                client_mode=True,
+                keys=keys,
+                run_owner=run_owner,
+            )
         except BaseException:
             await transport.aclose()
             raise
@@ -97,13 +125,17 @@ class RunDHT:
         initial_peers: Sequence[str] = (),
         client_mode: bool = False,
         bootstrap_timeout_s: float = 15.0,
+        keys: KeyRegistry | None = None,
+        run_owner: str | None = None,
     ) -> RunDHT:
+        """Join the DHT over `transport`; `keys` (default: `discovery_keys()`) are the run's checked names."""
         validator = RSASignatureValidator(transport.identity.private_key)
+        run_validator = RunRecordValidator(run_id, keys or discovery_keys(), run_owner=run_owner)
         try:
             node = await DHTNode.create(
                 p2p=transport.p2p,
                 initial_peers=list(initial_peers) or None,
-                record_validator=validator,
+                record_validator=CompositeValidator([validator, run_validator]),
                 client_mode=client_mode,
                 bootstrap_timeout=bootstrap_timeout_s,
                 ensure_bootstrap_success=bool(initial_peers),
@@ -114,7 +146,27 @@ class RunDHT:
             raise DiscoveryError(f"cannot join the DHT through {list(initial_peers)}: {exc}") from None
         own = transport.peer_id
         initial_ids = [i for i in dict.fromkeys(_peer_id_of(m) for m in initial_peers) if i and i != own]
-        return cls(node, validator, run_id, transport=transport, initial_peer_ids=initial_ids)
+        return cls(
+            node,
+            validator,
+            run_id,
+            transport=transport,
+            initial_peer_ids=initial_ids,
+            run_validator=run_validator,
+        )
+
+    @property
+    def keys(self) -> KeyRegistry:
+        return self.run_validator.keys
+
+    @property
+    def run_owner(self) -> str | None:
+        return self.run_validator.run_owner
+
+    @property
+    def peer_id(self) -> str | None:
+        """Our own peer id (the signer of our subkey), if we have a transport."""
+        return self.transport.peer_id if self.transport is not None else None
 
     @property
     def own_subkey(self) -> bytes:
@@ -122,7 +174,12 @@ class RunDHT:
         return key
 
     def key(self, name: str) -> str:
-        return f"ravnest/{self.run_id}/{name}"
+        return run_key(self.run_id, name)
+
+    def max_ttl_s(self, name: str) -> float | None:
+        """The longest TTL a value of `name` may have (None: a name outside the registry)."""
+        spec = self.keys.get(name)
+        return spec.max_ttl_s if spec is not None else None
 
     async def store_own(
         self, name: str, value: Any, *, ttl_s: float, pin_to_initial_peers: bool = False
@@ -130,10 +187,20 @@ class RunDHT:
         """Store `value` under our own signed subkey of `name`; True if at least one replica took it.
 
         With `pin_to_initial_peers` the initial peers also get a copy, whether or not they are among the
-        key's nearest nodes (see the module docstring).
+        key's nearest nodes (see the module docstring). A TTL beyond the key's maximum is cut to it
+        (validators would refuse it).
         """
+        max_ttl_s = self.max_ttl_s(name)
+        if max_ttl_s is not None and ttl_s > max_ttl_s:
+            logger.debug("TTL of %s cut from %.0f s to %.0f s", name, ttl_s, max_ttl_s)
+            ttl_s = max_ttl_s
         expiration = dht_time() + ttl_s
         ok = bool(await self._node.store(self.key(name), value, expiration, subkey=self.own_subkey))
+        if not ok:
+            # hivemind reports the status of whichever replica answered last: one replica that refuses
+            # (e.g. a hostile node holding a plain value under the key) failed the whole store. Ask each
+            # replica again, with an expiry a hair later: a replica keeps a subkey only if it is newer
+            ok = await self._store_at_nearest(name, value, expiration + 1e-3)
         if pin_to_initial_peers and self.initial_peer_ids:
             pinned = await asyncio.gather(
                 *(self._store_at(peer_id, name, value, expiration) for peer_id in self.initial_peer_ids)
@@ -141,20 +208,39 @@ class RunDHT:
             ok = ok or any(pinned)
         return ok
 
-    async def _store_at(self, peer_id: str, name: str, value: Any, expiration: float) -> bool:
-        """Store one signed subkey value at one given node (as `DHTNode.store` does at each replica)."""
+    def _signed_record(self, name: str, value: Any, expiration: float) -> DHTRecord:
         protocol = self._node.protocol
-        key_id = DHTID.generate(source=self.key(name))
         record = DHTRecord(
-            key_id.to_bytes(),
+            DHTID.generate(source=self.key(name)).to_bytes(),
             protocol.serializer.dumps(self.own_subkey),
             protocol.serializer.dumps(value),
             expiration,
         )
-        signed = self._validator.sign_value(record)
-        peer = PeerID.from_base58(peer_id)
+        return DHTRecord(record.key, record.subkey, self._chain.sign_value(record), expiration)
+
+    async def _store_at(self, peer_id: str | PeerID, name: str, value: Any, expiration: float) -> bool:
+        """Store one signed subkey value at one given node (as `DHTNode.store` does at each replica)."""
+        protocol = self._node.protocol
+        key_id = DHTID.generate(source=self.key(name))
+        signed = self._signed_record(name, value, expiration).value
+        peer = PeerID.from_base58(peer_id) if isinstance(peer_id, str) else peer_id
         result = await protocol.call_store(peer, [key_id], [signed], expiration, subkeys=[self.own_subkey])
         return bool(result and result[0])
+
+    async def _store_at_nearest(self, name: str, value: Any, expiration: float) -> bool:
+        """Store at each of the key's nearest nodes (ourselves included); True if any of them took it."""
+        key_id = DHTID.generate(source=self.key(name))
+        nearest = await self._node.find_nearest_nodes([key_id], k_nearest=self._node.num_replicas)
+        stored = []
+        for node_id, peer in nearest.get(key_id, {}).items():
+            if node_id == self._node.node_id:
+                record = self._signed_record(name, value, expiration)
+                if self._chain.validate(record):
+                    storage = self._node.protocol.storage
+                    stored.append(storage.store(key_id, record.value, expiration, subkey=self.own_subkey))
+            else:
+                stored.append(await self._store_at(peer, name, value, expiration))
+        return any(stored)
 
     async def get_signed(
         self, name: str, *, from_initial_peers: bool = False
@@ -162,9 +248,11 @@ class RunDHT:
         """Live subkey values of `name` that name an owner key, as {signer peer id: (value, expiry)}.
 
         hivemind's validator already dropped records whose signature does not match their subkey's key.
-        With `from_initial_peers`, the initial peers are also asked directly (where `store_own` pins
-        values) and, per signer, the value that expires last wins: a client polling a key for minutes
-        was seen reading a stale value through the DHT search while a fresh client read the new one.
+        Values whose ``updated_at`` lies in the future or past the key's TTL are dropped (see
+        `discovery.keys`). With `from_initial_peers`, the initial peers are also asked directly (where
+        `store_own` pins values) and, per signer, the value that expires last wins: a client polling a
+        key for minutes was seen reading a stale value through the DHT search while a fresh client read
+        the new one.
         """
         found = await self._node.get(self.key(name), latest=True)
         items: dict[Any, tuple[Any, float]] = {}
@@ -177,9 +265,13 @@ class RunDHT:
                     if subkey not in items or expiration > items[subkey][1]:
                         items[subkey] = (value, expiration)
         out: dict[str, tuple[Any, float]] = {}
+        now = dht_time()
+        max_ttl_s = self.max_ttl_s(name)
         for subkey, (value, expiration) in items.items():
             public_key = owner_public_key(subkey)
-            if public_key is None or expiration < dht_time():
+            if public_key is None or expiration < now:
+                continue
+            if max_ttl_s is not None and not is_fresh(value, max_ttl_s, now):
                 continue
             try:
                 signer = peer_id_from_public_key(public_key)
@@ -208,7 +300,7 @@ class RunDHT:
         for subkey, (value_bytes, expiration) in found.value.items():
             record = DHTRecord(key_id.to_bytes(), serializer.dumps(subkey), value_bytes, expiration)
             try:
-                out[subkey] = (serializer.loads(self._validator.strip_value(record)), float(expiration))
+                out[subkey] = (serializer.loads(self._chain.strip_value(record)), float(expiration))
             except Exception as exc:  # a malformed value from the network: skip it, keep the rest
                 logger.debug("undecodable value of %s at %s: %r", name, peer_id, exc)
         return out

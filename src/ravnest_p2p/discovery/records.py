@@ -21,6 +21,7 @@ __all__ = [
     "MAX_BANDWIDTH_MBPS",
     "MAX_FLOPS",
     "SCHEMA_VERSION",
+    "PeerIdStr",
     "PeerRecord",
     "owner_public_key",
     "parse_peer_record",
@@ -61,6 +62,7 @@ class PeerRecord(WireModel):
     epoch: int = Field(default=0, ge=0, le=2**62)
     cluster: int | None = Field(default=None, ge=0, le=100_000)
     stage: int | None = Field(default=None, ge=0, le=100_000)
+    run_owner: PeerIdStr | None = Field(default=None, description="the run owner this peer obeys; None: open")
     updated_at: float = Field(ge=0, description="DHT time of publication")
 
 

@@ -79,6 +79,7 @@ class SwarmState(BaseModel):
 
     prefix: str
     run_id: str
+    run_owner: str | None = None
     profile_path: str | None
     netns: bool
     workdir: str
@@ -151,6 +152,7 @@ class Swarm:
         prefix: names of namespaces, cgroups and the state directory (1-8 lowercase letters/digits).
         profile_path: recorded in the state file, for humans.
         run_id: the peers' run (default: the profile's ``run_id``).
+        run_owner: the run owner's peer id passed to every peer (``--run-owner``); None: an open run.
         peer_config: a ``--config`` TOML passed to every peer (e.g. faster probes).
         port: the fixed port of every peer in netns mode.
         bootstrap: ``hivemind-dht`` (a stock DHT node, lightest) or ``peer`` (one of ours, another run).
@@ -166,6 +168,7 @@ class Swarm:
         prefix: str,
         profile_path: str | None = None,
         run_id: str | None = None,
+        run_owner: str | None = None,
         peer_config: str | Path | None = None,
         port: int = DEFAULT_PORT,
         bootstrap: str = "hivemind-dht",
@@ -179,6 +182,7 @@ class Swarm:
         self.prefix = prefix
         self.profile_path = profile_path
         self.run_id = run_id or profile.run_id
+        self.run_owner = run_owner
         self.peer_config = Path(peer_config).resolve() if peer_config is not None else None
         self.port = port
         self.bootstrap_kind = bootstrap
@@ -221,6 +225,7 @@ class Swarm:
         return SwarmState(
             prefix=self.prefix,
             run_id=self.run_id,
+            run_owner=self.run_owner,
             profile_path=self.profile_path,
             netns=self.netns,
             workdir=str(self.workdir),
@@ -252,6 +257,8 @@ class Swarm:
             argv += ["--max-memory-gb", str(spec.memory_gb)]
         if self.peer_config is not None:
             argv += ["--config", str(self.peer_config)]
+        if self.run_owner is not None:
+            argv += ["--run-owner", self.run_owner]
         return argv
 
     def _spawn(

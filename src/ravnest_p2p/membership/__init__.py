@@ -7,7 +7,14 @@ from ravnest_p2p.membership.agreement import (
     RecordSource,
     plan_position,
 )
-from ravnest_p2p.membership.board import DhtPlanBoard, MemoryPlanBoard, PlanBoard, plan_key
+from ravnest_p2p.membership.board import (
+    PLAN_KEY,
+    DhtPlanBoard,
+    MemoryPlanBoard,
+    PlanBoard,
+    PlanRecord,
+    parse_plan,
+)
 from ravnest_p2p.membership.epochs import Action, EpochTracker, Phase, Timing
 from ravnest_p2p.membership.gossip import GOSSIP_VIEW, Gossiper, GossipItem, GossipReply, GossipRequest
 from ravnest_p2p.membership.view import Capacity, MembershipView, SummaryItem, ViewEntry, bucket_of
@@ -15,6 +22,7 @@ from ravnest_p2p.membership.view import Capacity, MembershipView, SummaryItem, V
 __all__ = [
     "DEFAULT_LAYERS",
     "GOSSIP_VIEW",
+    "PLAN_KEY",
     "Action",
     "Capacity",
     "DhtPlanBoard",
@@ -29,11 +37,12 @@ __all__ = [
     "MemoryPlanBoard",
     "Phase",
     "PlanBoard",
+    "PlanRecord",
     "RecordSource",
     "SummaryItem",
     "Timing",
     "ViewEntry",
     "bucket_of",
-    "plan_key",
+    "parse_plan",
     "plan_position",
 ]

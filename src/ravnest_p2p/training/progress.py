@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from pydantic import Field
 
+from ravnest_p2p.discovery import dht_time
 from ravnest_p2p.types import WireModel
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "ProgressView",
     "may_start",
     "merge_progress",
+    "parse_progress",
     "publish_progress",
     "read_progress",
 ]
@@ -48,7 +50,10 @@ PROGRESS_TTL_S = 3600.0  # a restarted peer must still see that a job ended; ref
 
 
 class ProgressStore(Protocol):
-    """What progress needs of the DHT (`discovery.RunDHT` and the unit tests' in-memory fake)."""
+    """What jobs and progress need of the DHT (`discovery.RunDHT`, and the unit tests' in-memory fake)."""
+
+    @property
+    def run_owner(self) -> str | None: ...
 
     async def store_own(
         self, name: str, value: Any, *, ttl_s: float, pin_to_initial_peers: bool = False
@@ -133,6 +138,14 @@ class ProgressView:
         return self.done or self.stopped or self.ended
 
 
+def parse_progress(value: Any, signer_peer_id: str) -> JobProgress:
+    """The DHT validator's schema of the ``progress`` key: a valid record its signer wrote about itself."""
+    record = JobProgress.model_validate(value)
+    if record.peer_id != signer_peer_id:
+        raise ValueError(f"progress names {record.peer_id[:16]!r}, signed by {signer_peer_id[:16]!r}")
+    return record
+
+
 def merge_progress(
     records: Mapping[str, JobProgress], *, job_id: str, owner_peer_id: str | None
 ) -> ProgressView | None:
@@ -202,7 +215,11 @@ async def read_progress(dht: ProgressStore, job_id: str, *, owner_peer_id: str |
 
 
 async def publish_progress(dht: ProgressStore, record: JobProgress, *, final: bool = False) -> bool:
-    """Store `record` under our own subkey of `progress` (final records also at the initial peers)."""
+    """Store `record` under our own subkey of `progress` (final records also at the initial peers).
+
+    The record is stamped with the DHT time now (the run's validator refuses values that are not fresh).
+    """
+    record = record.model_copy(update={"updated_at": dht_time()})
     try:
         return await dht.store_own(
             PROGRESS_KEY, record.model_dump(mode="json"), ttl_s=PROGRESS_TTL_S, pin_to_initial_peers=final

@@ -18,13 +18,13 @@ from collections.abc import Callable, Iterator
 
 from torch import Tensor
 
-from ravnest_p2p.discovery import RunDHT, dht_time
+from ravnest_p2p.discovery import OWNERS_KEY, RunDHT, authorized_signers, dht_time
 from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.runtime.service import PipelineConfig, StageService
 from ravnest_p2p.runtime.stage import StageExecutor
 from ravnest_p2p.training.data import ArrayDataset, iterate_batches, num_batches
 from ravnest_p2p.training.job import JobSpec
-from ravnest_p2p.training.metrics import StageMetrics, metrics_key
+from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics
 from ravnest_p2p.training.progress import JobProgress, ProgressStore, publish_progress
 from ravnest_p2p.training.replicas import ReplicaAverager, tensor_digests
 from ravnest_p2p.training.resume import HeldState
@@ -43,6 +43,8 @@ __all__ = [
     "apply_state",
     "cluster_batches",
     "find_placement",
+    "pick_job",
+    "pick_job_signed",
     "read_job",
     "read_job_signed",
 ]
@@ -60,25 +62,62 @@ def find_placement(job: JobSpec, peer_id: str) -> StageRole | None:
     return role_for(job, None, peer_id)
 
 
-async def read_job_signed(dht: ProgressStore) -> tuple[str, JobSpec] | None:
-    """(signer, job) of the newest valid job in the run (jobs are owner-signed; malformed ones ignored)."""
-    found = await dht.get_signed(JOB_KEY)
-    newest: tuple[float, str, JobSpec] | None = None
+def pick_job_signed(
+    found: dict[str, tuple[object, float]],
+    *,
+    run_owner: str | None = None,
+    owners: dict[str, tuple[object, float]] | None = None,
+) -> tuple[str, JobSpec] | None:
+    """(signer, job) of the run's job among signed `job` values ({signer: (value, expiry)}); None if none.
+
+    Open run (`run_owner` None): any signer's job; the one that expires last wins. Owned run: only jobs
+    signed by the owner or by a key its ``owners`` record lists; a delegate's job counts only while that
+    record lives, and its expiry is capped at the record's (the owner's say-so bounds it). The job with
+    the latest (capped) expiry wins; on a tie the owner's. The ``job`` key's maximum TTL (one day, see
+    `discovery.keys`) caps every expiry, the owner's too.
+    """
+    allowed = authorized_signers(run_owner, owners or {}) if run_owner is not None else None
+    newest: tuple[float, bool, str, JobSpec] | None = None
     for signer, (value, expiration) in found.items():
+        if allowed is not None:
+            if signer not in allowed or allowed[signer] < dht_time():
+                logger.debug("ignoring a job from %s: not an owner of this run", signer)
+                continue
+            expiration = min(expiration, allowed[signer])
         try:
             job = JobSpec.model_validate(value)
         except Exception as exc:
             logger.debug("ignoring malformed job from %s: %s", signer, exc)
             continue
-        if newest is None or expiration > newest[0]:
-            newest = (expiration, signer, job)
-    return (newest[1], newest[2]) if newest else None
+        rank = (expiration, signer == run_owner)
+        if newest is None or rank > newest[:2]:
+            newest = (expiration, signer == run_owner, signer, job)
+    return (newest[2], newest[3]) if newest else None
 
 
-async def read_job(dht: ProgressStore) -> JobSpec | None:
-    """The newest valid job in the run (jobs are owner-signed; malformed ones are ignored)."""
-    found = await read_job_signed(dht)
-    return found[1] if found else None
+def pick_job(
+    found: dict[str, tuple[object, float]],
+    *,
+    run_owner: str | None = None,
+    owners: dict[str, tuple[object, float]] | None = None,
+) -> JobSpec | None:
+    """The run's job among signed `job` values (see `pick_job_signed`)."""
+    picked = pick_job_signed(found, run_owner=run_owner, owners=owners)
+    return picked[1] if picked else None
+
+
+async def read_job_signed(dht: ProgressStore, *, run_owner: str | None = None) -> tuple[str, JobSpec] | None:
+    """(signer, job) of the run's current job (see `pick_job_signed`); `run_owner` defaults to the DHT's."""
+    run_owner = run_owner if run_owner is not None else dht.run_owner
+    found = await dht.get_signed(JOB_KEY)
+    owners = await dht.get_signed(OWNERS_KEY) if run_owner is not None and found else {}
+    return pick_job_signed(found, run_owner=run_owner, owners=owners)
+
+
+async def read_job(dht: ProgressStore, *, run_owner: str | None = None) -> JobSpec | None:
+    """The run's current job (see `pick_job_signed`); `run_owner` defaults to the DHT's."""
+    picked = await read_job_signed(dht, run_owner=run_owner)
+    return picked[1] if picked else None
 
 
 def apply_state(executor: StageExecutor, state: StageState) -> str:
@@ -276,7 +315,7 @@ class StageRunner:
         return tensor_digests({**executor.parameters_by_name(), **executor.buffers_by_name()})
 
     async def publish_metrics(self, *, final: bool = False) -> None:
-        """Store this stage's metrics under `metrics/<epoch>` (best effort while training).
+        """Store this stage's metrics under ``metrics`` (best effort while training).
 
         The `final` publication (done or failed) is what `RunClient.wait_for_job` waits for, and nothing
         republishes it: it also goes to the initial peers (which every client reaches) and is retried
@@ -295,7 +334,7 @@ class StageRunner:
         while True:
             try:
                 stored = await self.dht.store_own(
-                    metrics_key(self.role.epoch),
+                    METRICS_KEY,
                     metrics.model_dump(mode="json"),
                     ttl_s=600,
                     pin_to_initial_peers=final,

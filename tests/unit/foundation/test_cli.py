@@ -13,6 +13,7 @@ PINNED_FLAGS = {
     "--host-maddrs",
     "--announce-maddrs",
     "--run-id",
+    "--run-owner",
     "--device",
     "--max-memory-gb",
     "--use-relay",

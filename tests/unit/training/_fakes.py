@@ -25,6 +25,7 @@ class FakeDHT:
         self.signer = signer
         self.store: dict[str, dict[str, tuple[Any, float]]] = store if store is not None else {}
         self.writes: list[tuple[str, str]] = []
+        self.run_owner: str | None = None
 
     def as_signer(self, signer: str) -> FakeDHT:
         """A handle on the same store that signs as `signer` (another peer, the job's owner)."""

@@ -10,7 +10,7 @@ from ravnest_p2p.client import RunClient, current_plan_done
 from ravnest_p2p.discovery import PeerRecord
 from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.training.job import JobSpec
-from ravnest_p2p.training.metrics import StageMetrics, metrics_key
+from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics
 from ravnest_p2p.training.progress import JobProgress, publish_progress, read_progress
 from ravnest_p2p.types import PeerState
 
@@ -51,7 +51,7 @@ def metrics(peer: str, *, epoch: int, cluster: int, stage: int, done: bool) -> S
 
 
 async def put_metrics(dht: FakeDHT, m: StageMetrics) -> None:
-    await dht.as_signer(m.peer_id).store_own(metrics_key(m.epoch), m.model_dump(mode="json"), ttl_s=60)
+    await dht.as_signer(m.peer_id).store_own(METRICS_KEY, m.model_dump(mode="json"), ttl_s=60)
 
 
 def client_on(dht: FakeClientDHT, records: list[PeerRecord]) -> RunClient:

@@ -1,0 +1,128 @@
+"""Holes found by the hostile-input evaluation, reproduced against real peers (real p2pd, loopback).
+
+An attacker with a stock hivemind `DHTNode` and its own identity (no special position) stores, at every
+honest peer directly and in its own storage (a replica readers may ask):
+- an unsigned plain value with a far expiry under ``peers``, ``job``, ``plan`` and ``metrics`` (it used
+  to replace the whole dictionary of signed records: status showed 0 peers, every announce was refused);
+- its own signed peer record with an expiry 10^9 s ahead, or an ``updated_at`` from the future or the past
+  (it used to be kept and planned with long after the peer was gone).
+Every such store must be refused, and readers (the peers' directories, status, `RunClient`, the job
+reader, the plan board) must not see a single forged value.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hivemind.dht.routing import DHTID
+
+from ravnest_p2p.client import RunClient
+from ravnest_p2p.discovery import dht_time
+from ravnest_p2p.membership import DhtPlanBoard
+from ravnest_p2p.status import fetch_run
+from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics
+from ravnest_p2p.training.runner import read_job
+from ravnest_p2p.utils import wait_until
+from tests.security._dht_attack import attacker, peer_value, swarm
+
+DIGEST = "ab" * 32
+
+
+async def _honest_values(peers, name: str) -> None:
+    """Each peer publishes a signed value under `name` (the run's normal traffic)."""
+    for i, peer in enumerate(peers):
+        if name == "plan":
+            assert await DhtPlanBoard(peer.dht).publish(0, DIGEST, ttl_s=60)
+        elif name == "metrics":
+            m = StageMetrics(
+                job_id="j", peer_id=peer.peer_id, cluster=0, stage=i, num_stages=len(peers), step=1,
+                optimizer_steps=1, updated_at=dht_time(),
+            )  # fmt: skip
+            assert await peer.dht.store_own(METRICS_KEY, m.model_dump(mode="json"), ttl_s=60)
+
+
+def _plain_values_held(peers, key_id: DHTID) -> int:
+    """How many honest peers hold a plain (unsigned) value under `key_id` in their own storage."""
+    held = 0
+    for peer in peers:
+        stored = peer.dht.node.protocol.storage.get(key_id)
+        if stored is not None and isinstance(stored.value, bytes):
+            held += 1
+    return held
+
+
+@pytest.mark.parametrize("name", ["peers", "job", "plan", "metrics"])
+async def test_a_plain_value_with_a_far_expiry_replaces_nothing(hostile, tmp_path, name):
+    hostile.surface = f"dht:{name}"
+    run_id = f"plain-{name}"
+    async with swarm(2, run_id) as peers:
+        owner_key = tmp_path / "owner.key"
+        async with await RunClient.connect(peers[0].maddrs, run_id, identity_path=owner_key) as owner:
+            job = JobSpec(job_id="owners-job")
+            if name == "job":
+                await owner.publish_job(job, ttl_s=600)
+            await _honest_values(peers, name)
+            async with attacker(peers[0].maddrs, run_id) as evil:
+                now = dht_time()
+                garbage = {"schema_version": 1, "peer_id": evil.peer_id, "job_id": "evil", "epoch": 0}
+                for expiry in (now + 1e6, now + 1e9):
+                    for peer in peers:
+                        hostile.sent += 1
+                        stored = await evil.send_plain(peer.peer_id, name, garbage, expiry)
+                        hostile.refused += not stored
+                evil.store_locally(name, garbage, now + 1e9)  # a poisoned replica readers may ask
+                hostile.forged_accepted += _plain_values_held(peers, evil.key_id(name))
+
+                # readers: status, the client, the job reader, the plan board, announcing
+                records, _, _ = await fetch_run(peers[0].maddrs, run_id)
+                hostile.forged_accepted += len(peers) - len(
+                    {r.peer_id for r in records} & {p.peer_id for p in peers}
+                )
+                hostile.forged_accepted += len(await owner.peers()) != len(peers)
+                for peer in peers:
+                    ok = await peer.announcer.publish_once()
+                    hostile.state_changes += not ok
+                if name == "job":
+                    seen = await read_job(peers[1].dht)
+                    hostile.forged_accepted += seen is None or seen.job_id != job.job_id
+                if name == "plan":
+                    boards = await DhtPlanBoard(peers[1].dht).read_all()
+                    hostile.forged_accepted += {p: r.digest for p, r in boards.items()} != {
+                        p.peer_id: DIGEST for p in peers
+                    }
+                if name == "metrics":
+                    found = await owner.metrics(job_id="j")
+                    hostile.forged_accepted += sorted(m.peer_id for m in found) != sorted(
+                        p.peer_id for p in peers
+                    )
+    assert hostile.refused == hostile.sent == 2 * len(peers)
+    assert hostile.forged_accepted == 0
+    assert hostile.state_changes == 0
+
+
+async def test_a_record_with_a_far_expiry_or_a_false_clock_is_refused_and_never_planned_with(hostile):
+    hostile.surface = "dht:peers"
+    run_id = "far-expiry"
+    async with swarm(2, run_id) as peers, attacker(peers[0].maddrs, run_id) as evil:
+        now = dht_time()
+        cases = [
+            (peer_value(evil.peer_id), now + 1e9),  # the original hole: kept for 30 years
+            (peer_value(evil.peer_id), now + 3600),  # past the peers key's 600 s cap
+            (peer_value(evil.peer_id, updated_at=now + 3600), now + 60),  # written "in the future"
+            (peer_value(evil.peer_id, updated_at=now - 3600), now + 60),  # written an hour ago
+            (peer_value(evil.peer_id, updated_at=now - 500), now + 590),  # 1090 s past its writing
+        ]
+        for value, expiry in cases:
+            for peer in peers:
+                hostile.sent += 1
+                hostile.refused += not await evil.send_signed(peer.peer_id, "peers", value, expiry)
+        # and a sane record is accepted, so the refusals above are not a broken attacker
+        assert await evil.send_signed(peers[0].peer_id, "peers", peer_value(evil.peer_id), now + 30)
+        await wait_until(lambda: evil.peer_id in peers[1].directory.peers, 30, message="sane record read")
+        await evil.send_signed(peers[0].peer_id, "peers", peer_value(evil.peer_id, state="draining"), now + 2)
+        # the attacker leaves: its record expires within its short TTL, nobody plans with it afterwards
+        await wait_until(lambda: evil.peer_id not in peers[1].directory.peers, 30, message="record expired")
+        records, _, _ = await fetch_run(peers[0].maddrs, run_id)
+        hostile.forged_accepted += any(r.peer_id == evil.peer_id for r in records)
+    assert hostile.refused == hostile.sent == 5 * 2
+    assert hostile.forged_accepted == 0
