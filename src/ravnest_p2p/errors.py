@@ -15,8 +15,10 @@ __all__ = [
     "IdentityError",
     "InvalidMessage",
     "InvalidRecord",
+    "NeighbourLost",
     "PayloadTooLarge",
     "PeerUnreachable",
+    "RateLimited",
     "RavnestError",
     "RemoteError",
     "StaleEpoch",
@@ -95,3 +97,23 @@ class DiscoveryError(RavnestError):
 
 class InvalidRecord(DiscoveryError, ValueError):
     """A DHT record failed validation (range, NaN, schema version, signature binding)."""
+
+
+class RateLimited(InvalidMessage):
+    """A sender sent more messages than the receiver accepts from it per unit of time; refused cheaply."""
+
+    code = "rate_limited"
+
+
+class NeighbourLost(RavnestError):
+    """A pipeline neighbour stopped answering (or was excluded for misbehaving); the stage gave up.
+
+    Attributes:
+        peer_id: the suspect; callers pass it to `MembershipService.report_suspect`.
+        reason: why it is suspected (e.g. ``"no answer for 6.0s"``, ``"excluded: 20 refused messages"``).
+    """
+
+    def __init__(self, peer_id: str, reason: str) -> None:
+        super().__init__(f"pipeline neighbour {peer_id} lost: {reason}")
+        self.peer_id = peer_id
+        self.reason = reason

@@ -141,7 +141,7 @@ class Peer:
             workload=_workload,
             start_runner=self._start_runner,
             state_source=HandoverStateSource(self.rpc),
-            suspects=None,  # the membership's `report_suspect` plugs in here once merged
+            suspects=self.membership,
             serve_to=self._serve_state_to,
             alive=lambda: set(self.directory.active()),
             prepare=self._prepare,

@@ -8,6 +8,12 @@ every member the plan names published the same digest: then the plan is *active*
 it. Members silent past ``agreement_timeout_s`` are excluded for ``exclude_for_s`` and a new epoch opens
 without them (a peer that runs no membership service would otherwise block agreement forever).
 
+Faults: a heard epoch is adopted only when members' signed records back it (`epochs.backed_epoch`;
+strangers' claims are dropped, and strangers' gossip is rate-limited). `report_suspect` verifies a
+suspect by our own ping and, if it is dead, excludes it and opens a new epoch at once when it is in the
+active plan, then publishes a signed `SuspectReport` so other members verify and exclude it as fast
+(`membership.suspects`). That beats waiting for the dead peer's record to expire by tens of seconds.
+
 Limits: exclusion is each peer's own reading of the board, so two peers may exclude different sets
 for a round; their view digests then differ, gossip shows it, and the next stable round re-proposes.
 """
@@ -15,18 +21,20 @@ for a round; their view digests then differ, gossip shows it, and the next stabl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from ravnest_p2p.discovery import PeerRecord
+from ravnest_p2p.discovery import PeerRecord, dht_time
 from ravnest_p2p.membership.board import PlanBoard
-from ravnest_p2p.membership.epochs import Action, EpochTracker, Phase, Timing
-from ravnest_p2p.membership.gossip import Gossiper
+from ravnest_p2p.membership.config import DEFAULT_LAYERS, MembershipConfig
+from ravnest_p2p.membership.epochs import Action, EpochTracker, Phase, backed_epoch
+from ravnest_p2p.membership.gossip import Gossiper, GossipLimits
+from ravnest_p2p.membership.suspects import SuspectBoard, SuspectKind
+from ravnest_p2p.membership.suspicion import SuspicionKeeper
 from ravnest_p2p.membership.view import Capacity, MembershipView, SummaryItem
 from ravnest_p2p.planning import JobParams, Plan, make_plan
 from ravnest_p2p.transport import RpcEndpoint
@@ -36,57 +44,6 @@ from ravnest_p2p.utils import run_in_compute_thread
 __all__ = ["DEFAULT_LAYERS", "MembershipConfig", "MembershipService", "RecordSource", "plan_position"]
 
 logger = logging.getLogger(__name__)
-
-
-def _layer(name: str, flops: float, params: int, act: int) -> LayerProfile:
-    return LayerProfile(
-        name=name,
-        flops_per_sample=flops,
-        param_bytes=params * 4,
-        optimizer_state_bytes=params * 8,
-        activation_bytes_per_sample=act * 4,
-    )
-
-
-# A stand-in job until the JobSpec lands: shaped like the registry's digits CNN (conv, conv, pool,
-# dense, dense), per sample, fp32, Adam. A parameter of `MembershipConfig`, not a constant of the code.
-DEFAULT_LAYERS: tuple[LayerProfile, ...] = (
-    _layer("0:Conv2d", 2 * 8 * 9 * 64, 80, 8 * 64),
-    _layer("1:Conv2d", 2 * 16 * 8 * 9 * 64, 1168, 16 * 64),
-    _layer("2:MaxPool2d", 16 * 16, 0, 16 * 16),
-    _layer("3:Linear", 2 * 256 * 64, 16448, 64),
-    _layer("4:Linear", 2 * 64 * 10, 650, 10),
-)
-
-
-class MembershipConfig(BaseModel):
-    """Gossip, stability and agreement knobs; tests shrink the durations."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    enabled: bool = True
-    gossip_period_s: float = Field(default=1.0, gt=0)
-    fanout: int = Field(default=3, ge=1, le=64)
-    call_timeout_s: float = Field(default=2.0, gt=0)
-    num_buckets: int = Field(default=16, ge=1, le=4096)
-    stable_rounds: int = Field(default=3, ge=1)
-    hysteresis_s: float = Field(default=3.0, ge=0)
-    join_delay_s: float = Field(default=10.0, ge=0)
-    grace_s: float = Field(default=15.0, ge=0)
-    agreement_timeout_s: float = Field(default=30.0, gt=0)
-    exclude_for_s: float = Field(default=120.0, ge=0)
-    plan_ttl_s: float = Field(default=120.0, gt=2)
-    job: JobParams = JobParams(micro_batch_size=32)
-    layers: tuple[LayerProfile, ...] = Field(default=DEFAULT_LAYERS, min_length=1)
-
-    def timing(self) -> Timing:
-        return Timing(
-            stable_rounds=self.stable_rounds,
-            hysteresis_s=self.hysteresis_s,
-            join_delay_s=self.join_delay_s,
-            grace_s=self.grace_s,
-            agreement_timeout_s=self.agreement_timeout_s,
-        )
 
 
 class RecordSource(Protocol):
@@ -135,8 +92,10 @@ class MembershipService:
         records: RecordSource,
         board: PlanBoard,
         *,
+        suspects: SuspectBoard | None = None,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        wall_clock: Callable[[], float] = dht_time,
     ) -> None:
         self.config = config
         self.peer_id = rpc.peer_id
@@ -154,6 +113,24 @@ class MembershipService:
             fanout=config.fanout,
             call_timeout_s=config.call_timeout_s,
             rng=rng,
+            limits=GossipLimits().scaled(config.gossip_period_s),
+            is_member=self._is_member,
+            clock=clock,
+        )
+        # (claimant -> highest epoch it claimed) since the last round; adopted only when backed
+        self._claims: dict[str, int] = {}
+        self.num_epoch_claims_dropped = 0
+        self.suspicion = SuspicionKeeper(
+            rpc,
+            suspects,
+            call_timeout_s=config.call_timeout_s,
+            report_ttl_s=config.suspect_report_ttl_s,
+            exclude=self._exclude,
+            is_excluded=self._is_excluded,
+            is_member=self._is_member,
+            are_neighbours=self._are_neighbours,
+            get_epoch=lambda: self.tracker.epoch,
+            clock=wall_clock,
         )
         self.active_plan: Plan | None = None
         # which workload (e.g. a job id) the plans are for: every peer that sees the same job sets the
@@ -201,9 +178,67 @@ class MembershipService:
         self.tracker.open_epoch(self.tracker.epoch + 1)
         logger.info("planning for workload %s from epoch %d", key, self.tracker.epoch)
 
-    def _heard_epoch(self, epoch: int) -> None:
-        if self.tracker.open_epoch(epoch):
-            logger.debug("moved to epoch %d heard from a peer", epoch)
+    # ----- epochs and suspects (faults) -------------------------------------------------------------
+    def _is_member(self, peer_id: str) -> bool:
+        """A live member: a valid signed record in our directory, eligible, not excluded."""
+        return peer_id in self.view.live_ids()
+
+    def _is_excluded(self, peer_id: str) -> bool:
+        return self._excluded_until.get(peer_id, -1.0) > self._clock()
+
+    def _are_neighbours(self, a: str, b: str) -> bool:
+        (cluster_a, stage_a), (cluster_b, stage_b) = (plan_position(self.active_plan, p) for p in (a, b))
+        if cluster_a is None or cluster_a != cluster_b or stage_a is None or stage_b is None:
+            return False
+        return abs(stage_a - stage_b) == 1
+
+    def _heard_epoch(self, sender: str, epoch: int) -> None:
+        if not self._is_member(sender):
+            self.num_epoch_claims_dropped += 1
+            logger.debug("dropped epoch %d claimed by %s, not a live member", epoch, sender)
+            return
+        self._claims[sender] = max(epoch, self._claims.get(sender, 0))
+
+    async def _adopt_claims(self) -> None:
+        claims = {p: e for p, e in self._claims.items() if e > self.tracker.epoch and self._is_member(p)}
+        self._claims.clear()
+        if not claims:
+            return
+        claimant, claim = max(claims.items(), key=lambda item: (item[1], item[0]))
+        live = self.view.live_ids()
+        record_epochs = [rec.epoch for pid, rec in self._records.peers.items() if pid in live]
+        if claim > max(record_epochs, default=0) + 1:
+            published = await self._read_board_at(claim - 1) or {}
+            by_other = any(pid in live and pid != claimant for pid in published)
+        else:
+            by_other = False
+        target = backed_epoch(claim, record_epochs=record_epochs, previous_published_by_other=by_other)
+        if target < claim:
+            self.num_epoch_claims_dropped += 1
+            logger.info("epoch %d claimed by %s is not backed (bound %d)", claim, claimant, target)
+        if self.tracker.open_epoch(target):
+            logger.debug("moved to epoch %d heard from %s", target, claimant)
+
+    def report_suspect(self, peer_id: str, reason: str) -> None:
+        """Suspect ``peer_id`` (e.g. a stage failed with `NeighbourLost`); returns at once.
+
+        Within a round we ping it ourselves; only if it does not answer is it excluded for
+        ``exclude_for_s`` (a new epoch opens at once if it is in the active plan) and reported to the
+        other members under ``suspects``, who verify it the same way.
+        """
+        self.suspicion.report(peer_id, reason)
+
+    def report_misbehaviour(self, peer_id: str, reason: str) -> None:
+        """Our own `PeerLedger` excluded ``peer_id``: exclude it (our evidence) and report it as a witness."""
+        self.suspicion.report(peer_id, reason, kind=SuspectKind.MISBEHAVING)
+
+    def _exclude(self, peer_id: str, reason: str) -> None:
+        self._excluded_until[peer_id] = self._clock() + self.config.exclude_for_s
+        self._claims.pop(peer_id, None)
+        logger.warning("excluding %s for %.0fs: %s", peer_id, self.config.exclude_for_s, reason)
+        if peer_id in self.tracker.members and self.tracker.phase == Phase.ACTIVE:
+            self.tracker.open_epoch(self.tracker.epoch + 1)
+            logger.info("a member of the active plan is excluded: opening epoch %d", self.tracker.epoch)
 
     def _heard_news(self, sender: str, items: list[SummaryItem]) -> None:
         logger.debug("%d news items from %s: re-reading records", len(items), sender)
@@ -211,9 +246,11 @@ class MembershipService:
 
     async def serve(self) -> None:
         await self.gossiper.serve()
+        await self.suspicion.serve()
 
     async def aclose(self) -> None:
         await self.gossiper.unserve()
+        await self.suspicion.unserve()
 
     def _eligible(self, record: PeerRecord, now: float) -> bool:
         if record.state not in (PeerState.READY, PeerState.TRAINING) or record.client_mode:
@@ -238,7 +275,9 @@ class MembershipService:
         """One round: observe, gossip, decide, act."""
         now = self._clock()
         self.num_rounds += 1
+        await self.suspicion.step()
         await self._observe(now)
+        await self._adopt_claims()
         candidates = sorted(self.view.live_ids() - {self.peer_id})
         if candidates:
             await self.gossiper.gossip_round(candidates)
@@ -298,8 +337,11 @@ class MembershipService:
         logger.debug("proposed plan %s for epoch %d", plan.digest()[:12], plan.epoch)
 
     async def _read_board(self) -> dict[str, str] | None:
+        return await self._read_board_at(self.tracker.epoch)
+
+    async def _read_board_at(self, epoch: int) -> dict[str, str] | None:
         try:
-            return await asyncio.wait_for(self._board.read(self.tracker.epoch), self.config.call_timeout_s)
+            return await asyncio.wait_for(self._board.read(epoch), self.config.call_timeout_s)
         except (TimeoutError, OSError) as exc:
             logger.debug("could not read the plan board: %r", exc)
             return None
@@ -356,4 +398,8 @@ class MembershipService:
                 raise
             except Exception as exc:  # a peer boundary: keep the loop alive, say why
                 logger.warning("membership round failed: %r", exc, exc_info=True)
-            await asyncio.sleep(max(0.0, self.config.gossip_period_s - (self._clock() - started)))
+            # a fresh suspect report wakes the loop early: exclusion should not wait for the period
+            with contextlib.suppress(TimeoutError):
+                remaining_s = max(0.0, self.config.gossip_period_s - (self._clock() - started))
+                await asyncio.wait_for(self.suspicion.wake.wait(), remaining_s)
+            self.suspicion.wake.clear()

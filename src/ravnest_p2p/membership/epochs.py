@@ -13,23 +13,53 @@ Rules (DESIGN.md §4 "Gossip agreement", made precise):
   epoch opens without them.
 - *Active*: a new epoch opens when a live non-member has been seen for ``join_delay_s`` (batching
   joins), or a member has been missing for ``grace_s`` (a blip shorter than that is forgotten).
-- Epoch numbers only grow; hearing a higher epoch from a peer moves us to it (forming). Two peers that
-  saw the same change a round apart thus land on the same epoch, and the plan is a function of
+- Epoch numbers only grow; hearing a higher epoch from a peer can move us to it (forming). Two peers
+  that saw the same change a round apart thus land on the same epoch, and the plan is a function of
   ``(view, epoch)`` only.
+- *Who may move our epoch* (`backed_epoch`). A heard epoch is a claim, adopted only when members'
+  signed records back it: (1) the claimant must be a live member — a valid signed `PeerRecord` in our
+  own directory, not excluded (strangers' claims are dropped unread); (2) we adopt at most
+  ``max(epoch in live members' signed peer records) + 1`` (records carry the epoch of each member's
+  active plan), or the claimed ``E`` itself when a live member *other than the claimant* has published
+  a signed plan digest for ``E - 1``; a larger claim is clamped to that bound, never refused outright,
+  so an honest peer that moved ahead still pulls the others up one backed step at a time. Epochs
+  never exceed ``MAX_EPOCH`` (the records' cap).
 
-Alternative rejected: re-planning on every view change with a debounce only (a flapping peer then
-re-plans forever). Limit: a peer could announce an inflated epoch number; it costs one re-plan, not a
-wrong plan, since every member still checks the digest.
+Alternatives rejected: re-planning on every view change with a debounce only (a flapping peer then
+re-plans forever); adopting any higher epoch heard (one unauthenticated `gossip_view` with epoch
+2^62 moved every peer there and the next re-plan overflowed the record's cap, so peers stopped
+announcing; one with epoch + 1 forced a swarm-wide re-plan).
+
+Limit: a *member* can still claim one epoch past what the records show and cost one re-plan per
+agreed epoch; it cannot climb further alone, since the next step needs another member's digest.
 
 This module is pure: the caller passes ``now`` (monotonic seconds) and the current view facts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-__all__ = ["Action", "EpochTracker", "Phase", "Timing"]
+__all__ = ["MAX_EPOCH", "Action", "EpochTracker", "Phase", "Timing", "backed_epoch"]
+
+MAX_EPOCH = 2**62  # `PeerRecord.epoch`'s cap: an epoch past it could never be announced
+
+
+def backed_epoch(claim: int, *, record_epochs: Iterable[int], previous_published_by_other: bool) -> int:
+    """The highest epoch members' signed records back for a member's ``claim`` (rule in the docstring).
+
+    Args:
+        claim: the epoch a live member claims.
+        record_epochs: the epochs in live members' signed peer records.
+        previous_published_by_other: a live member other than the claimant signed a plan digest for
+            ``claim - 1``.
+    """
+    bound = max(record_epochs, default=0) + 1
+    if previous_published_by_other:
+        bound = max(bound, claim)
+    return min(claim, bound, MAX_EPOCH)
 
 
 class Phase(StrEnum):
@@ -125,7 +155,7 @@ class EpochTracker:
 
     def open_epoch(self, epoch: int) -> bool:
         """Move to ``epoch`` (forming) if it is newer than ours; True if we moved."""
-        if epoch <= self.epoch:
+        if epoch <= self.epoch or epoch > MAX_EPOCH:
             return False
         self.epoch = epoch
         self.phase = Phase.FORMING

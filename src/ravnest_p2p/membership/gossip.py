@@ -15,9 +15,17 @@ tests may merge it directly, standing in for a signed-record fetch. We rejected 
 DHT values: re-verifying them needs hivemind's validator outside the discovery adapter and they cost
 ~0.5 KB per entry, while the DHT already serves each record to whoever asks.
 
-Epoch numbers ride along (max wins, see `epochs`). Every call has a deadline; a malformed request
-(bad field, wrong bucket count, items outside the buckets they claim) gets an error reply and changes
-nothing. Gossip about a peer we cannot reach is logged at DEBUG and forgotten until the next round.
+Epoch numbers ride along, but a heard epoch is only a claim by its sender: ``on_epoch(sender, epoch)``
+hands it to the owner, which adopts it only when members' signed records back it (see `epochs`).
+Every call has a deadline; a malformed request (bad field, wrong bucket count, items outside the
+buckets they claim) gets an error reply and changes nothing. Gossip about a peer we cannot reach is
+logged at DEBUG and forgotten until the next round.
+
+Rate limits (`transport.ledger.RateLimiter`, optional, `GossipLimits`): every sender has a token
+bucket; a sender that is not a member (``is_member`` false: no valid signed record in our directory)
+gets a small one, and all such strangers together share one more, so a flood of fresh identities
+costs a bounded amount of work. An empty bucket is refused (`RateLimited`) before the request's content
+is processed.
 """
 
 from __future__ import annotations
@@ -25,16 +33,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from ravnest_p2p.errors import InvalidMessage, TransportError
+from ravnest_p2p.errors import InvalidMessage, RateLimited, TransportError
 from ravnest_p2p.membership.view import MembershipView, SummaryItem, bucket_of
 from ravnest_p2p.transport import CallContext, RpcEndpoint, RpcMethod
+from ravnest_p2p.transport.ledger import RateLimiter
 
-__all__ = ["GOSSIP_VIEW", "GossipItem", "GossipReply", "GossipRequest", "Gossiper"]
+__all__ = ["GOSSIP_VIEW", "GossipItem", "GossipLimits", "GossipReply", "GossipRequest", "Gossiper"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +101,29 @@ GOSSIP_VIEW = RpcMethod(
 NewsHandler = Callable[[str, list[SummaryItem]], None]
 
 
+@dataclass(frozen=True)
+class GossipLimits:
+    """Requests per second we answer: per member, per stranger, and for all strangers together."""
+
+    member_rate_per_s: float = 8.0
+    member_burst: float = 16.0
+    stranger_rate_per_s: float = 1.0
+    stranger_burst: float = 4.0
+    strangers_rate_per_s: float = 16.0
+    strangers_burst: float = 32.0
+
+    def scaled(self, period_s: float) -> GossipLimits:
+        """The same limits per gossip period of ``period_s`` instead of per second."""
+        return GossipLimits(
+            member_rate_per_s=self.member_rate_per_s / period_s,
+            member_burst=self.member_burst,
+            stranger_rate_per_s=self.stranger_rate_per_s / period_s,
+            stranger_burst=self.stranger_burst,
+            strangers_rate_per_s=self.strangers_rate_per_s / period_s,
+            strangers_burst=self.strangers_burst,
+        )
+
+
 def _check_items(items: Sequence[GossipItem], buckets: Sequence[int], num_buckets: int) -> None:
     if any(not 0 <= b < num_buckets for b in buckets):
         raise InvalidMessage("bucket index out of range")
@@ -107,10 +141,13 @@ class Gossiper:
         rpc: our endpoint.
         view: the view we describe (read-only here; ``on_news`` decides what changes it).
         get_epoch: our current epoch.
-        on_epoch: called with a higher epoch heard from a peer.
+        on_epoch: called with ``(sender, epoch)`` for a higher epoch a peer claims (a claim only).
         on_news: called with ``(sender, items)`` when a peer told us something newer than our view.
         fanout: peers contacted per round.
         call_timeout_s: deadline of each call.
+        limits: rate limits of served requests (None: unlimited, e.g. in the simulator).
+        is_member: whether a sender holds a valid signed record in our directory (for ``limits``).
+        clock: monotonic seconds (for ``limits``).
     """
 
     def __init__(
@@ -119,11 +156,14 @@ class Gossiper:
         view: MembershipView,
         *,
         get_epoch: Callable[[], int],
-        on_epoch: Callable[[int], None],
+        on_epoch: Callable[[str, int], None],
         on_news: NewsHandler,
         fanout: int = 3,
         call_timeout_s: float = 2.0,
         rng: random.Random | None = None,
+        limits: GossipLimits | None = None,
+        is_member: Callable[[str], bool] = lambda _peer_id: True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.rpc = rpc
         self.view = view
@@ -136,6 +176,30 @@ class Gossiper:
         self.bytes_sent = 0
         self.num_contacts = 0
         self.num_failures = 0
+        self._is_member = is_member
+        self._clock = clock
+        self._limits = limits
+        if limits is not None:
+            self._member_limiter = RateLimiter(rate_per_s=limits.member_rate_per_s, burst=limits.member_burst)
+            self._stranger_limiter = RateLimiter(
+                rate_per_s=limits.stranger_rate_per_s, burst=limits.stranger_burst
+            )
+            self._strangers_limiter = RateLimiter(
+                rate_per_s=limits.strangers_rate_per_s, burst=limits.strangers_burst
+            )
+        self.num_rate_limited = 0
+
+    def _admit(self, sender: str) -> None:
+        if self._limits is None:
+            return
+        now = self._clock()
+        if self._is_member(sender):
+            allowed = self._member_limiter.allow(sender, now)
+        else:
+            allowed = self._stranger_limiter.allow(sender, now) and self._strangers_limiter.allow("*", now)
+        if not allowed:
+            self.num_rate_limited += 1
+            raise RateLimited(f"too many gossip requests from {sender}")
 
     async def serve(self) -> None:
         await self.rpc.serve(GOSSIP_VIEW, self._handle)
@@ -145,12 +209,13 @@ class Gossiper:
 
     def _hear(self, sender: str, epoch: int, items: Sequence[GossipItem]) -> None:
         if epoch > self._get_epoch():
-            self._on_epoch(epoch)
+            self._on_epoch(sender, epoch)
         news = [i.to_summary() for i in items if self.view.is_news(i.to_summary())]
         if news:
             self._on_news(sender, news)
 
     async def _handle(self, request: GossipRequest, tensors: object, ctx: CallContext) -> GossipReply:
+        self._admit(ctx.remote_peer_id)
         num_buckets = self.view.num_buckets
         if len(request.bucket_digests) != num_buckets:
             raise InvalidMessage(f"{len(request.bucket_digests)} bucket digests, expected {num_buckets}")
@@ -180,7 +245,7 @@ class Gossiper:
         self.num_contacts += 1
         if reply.view_digest == request.view_digest and not reply.differing:
             if reply.epoch > self._get_epoch():
-                self._on_epoch(reply.epoch)
+                self._on_epoch(peer_id, reply.epoch)
             return True
         try:
             _check_items(reply.entries, reply.differing, self.view.num_buckets)

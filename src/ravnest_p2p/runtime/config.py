@@ -11,13 +11,22 @@ from ravnest_p2p.errors import InvalidMessage
 from ravnest_p2p.models.spec import LossName
 from ravnest_p2p.runtime.optim import OptimizerConfig
 
-__all__ = ["LossResult", "PipelineFull", "StageConfig"]
+__all__ = ["LossResult", "NonFiniteResult", "PipelineFull", "StageConfig"]
 
 
 class PipelineFull(InvalidMessage):
     """A forward arrived while ``max_in_flight`` micro-batches were already waiting for backward."""
 
     code = "pipeline_full"
+
+
+class NonFiniteResult(InvalidMessage):
+    """A loss or gradient computed from a neighbour's input is NaN/inf: the micro-batch is dropped.
+
+    Raised before anything is accumulated or stepped, so the weights never see it.
+    """
+
+    code = "non_finite"
 
 
 class StageConfig(BaseModel):

@@ -7,23 +7,29 @@ sender, an unknown micro-batch, a wrong shape/dtype or non-finite values before 
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from ravnest_p2p.transport.rpc import RpcMethod
 
 __all__ = [
     "BACKWARD",
+    "DROP",
     "EVAL_RESULT",
     "FINISH",
     "FORWARD",
+    "PING",
     "READY",
     "Ack",
     "BackwardRequest",
+    "DropNotice",
     "EvalResult",
     "FinishRequest",
     "ForwardRequest",
     "Mode",
+    "PingReply",
+    "PingRequest",
     "ReadyReply",
     "ReadyRequest",
 ]
@@ -109,3 +115,34 @@ class ReadyReply(_Msg):
 # the first stage asks every other stage this before admitting micro-batches: peers pick up a job on
 # their own schedule, and a forward sent before the next stage serves it would be lost
 READY = RpcMethod("stage_ready", ReadyRequest, ReadyReply, max_request_bytes=4096, max_tensors=0)
+
+
+class DropNotice(_Msg):
+    """Back along the pipeline: micro-batch `micro_batch_id` was dropped downstream (refused or poisoned).
+
+    Each stage that holds it releases it and passes the notice on; the first stage re-issues or skips it.
+    """
+
+    epoch: int = _ID
+    micro_batch_id: int = _ID
+    reason: Annotated[str, StringConstraints(max_length=200)] = ""
+
+
+DROP = RpcMethod("stage_drop", DropNotice, Ack, max_request_bytes=4096, max_tensors=0)
+
+
+class PingRequest(_Msg):
+    epoch: int = _ID
+
+
+class PingReply(_Msg):
+    """A neighbour's heartbeat answer: alive, and whether its stage gave up (naming its suspect)."""
+
+    stage: int = Field(ge=0)
+    lost_peer_id: Annotated[str, StringConstraints(max_length=128)] | None = None
+
+
+# every stage answers this while it serves an epoch; neighbours call it to tell dead from slow
+PING = RpcMethod(
+    "stage_ping", PingRequest, PingReply, max_request_bytes=4096, max_tensors=0, handler_timeout_s=5.0
+)

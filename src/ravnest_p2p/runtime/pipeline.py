@@ -27,6 +27,23 @@ class PipelineConfig(BaseModel):
     send_timeout_s: float = Field(default=60.0, gt=0)
     send_attempts: int = Field(default=3, ge=1)
     micro_batch_timeout_s: float = Field(default=300.0, gt=0)
+    max_abs_value: float | None = Field(
+        default=1e6,
+        gt=0,
+        description="float activations/gradients beyond +-this are refused; None: finite only",
+    )
+    heartbeat_period_s: float = Field(default=1.0, gt=0, description="ping each neighbour this often")
+    neighbour_timeout_s: float = Field(
+        default=6.0, gt=0, description="a neighbour silent this long (pings unanswered) is lost"
+    )
+    misbehaviour_threshold: int = Field(
+        default=20, ge=1, description="refused messages of one sender in an epoch that exclude it"
+    )
+    reissue_attempts: int = Field(
+        default=1,
+        ge=0,
+        description="first stage: times a dropped micro-batch is re-issued before skipping it",
+    )
 
 
 @dataclasses.dataclass
@@ -36,6 +53,10 @@ class StageStats:
     samples: int = 0
     completed: int = 0  # first stage: micro-batches whose backward came home
     last_loss: float | None = None
+    refused: int = 0  # messages this stage refused (counted against their senders)
+    dropped: int = 0  # micro-batches dropped here (refused downstream, poisoned, or notified)
+    reissued: int = 0  # first stage: dropped micro-batches admitted again under a new id
+    skipped: int = 0  # first stage: dropped micro-batches given up on
     bytes_sent: int = 0
     compute_s: float = 0.0  # time this stage's work spent on the compute thread (fwd, bwd, eval)
     train_wall_s: float = 0.0  # first stage: wall time inside `train` calls
@@ -64,11 +85,12 @@ class StageStats:
 
 @dataclasses.dataclass
 class Work:
-    kind: str  # "forward" | "backward" | "eval"
+    kind: str  # "forward" | "backward" | "eval" | "drop"
     micro_batch_id: int
-    tensor: Tensor
+    tensor: Tensor | None
     labels: Tensor | None = None
     loss: float | None = None
+    reason: str = ""  # "drop": why
 
 
 def tensor_bytes(tensors: Sequence[Tensor]) -> int:

@@ -26,6 +26,10 @@ Recompute mode (activation checkpointing at stage granularity, Chen et al. 2016)
 input and the RNG state, and replays forward in backward against the same stash; BatchNorm running
 statistics are updated once (in the first forward), the replay writes into throwaway copies.
 
+Poison. A loss or gradient that comes out NaN/inf (finite inputs can still overflow) raises
+`NonFiniteResult` *before* any gradient is accumulated or any step taken; the caller drops the
+micro-batch (`release`). Checking costs one pass over each gradient, on the compute thread.
+
 Limits: one stage is driven by one thread (the compute thread); the executor is not thread-safe.
 BatchNorm statistics are not versioned. The stash costs one parameter copy per live version.
 """
@@ -44,11 +48,12 @@ from torch.func import functional_call
 
 from ravnest_p2p.errors import InvalidMessage
 from ravnest_p2p.models.spec import TensorSpec, make_loss
-from ravnest_p2p.runtime.config import LossResult, PipelineFull, StageConfig
+from ravnest_p2p.runtime.config import LossResult, NonFiniteResult, PipelineFull, StageConfig
 from ravnest_p2p.runtime.optim import build_optimizer
 from ravnest_p2p.runtime.validation import check_matches, check_micro_batch_id, check_tensor
+from ravnest_p2p.transport.codec import all_finite
 
-__all__ = ["LossResult", "PipelineFull", "StageConfig", "StageExecutor"]
+__all__ = ["LossResult", "NonFiniteResult", "PipelineFull", "StageConfig", "StageExecutor"]
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +253,11 @@ class StageExecutor:
         ).to(self.device)
         stash = self._stash[record.version]
         output = record.output if record.output is not None else self._recompute(record, stash)
-        grad_input = self._backprop(output, grad, record.inputs, stash)
+        try:
+            grad_input = self._backprop(output, grad, record.inputs, stash)
+        except NonFiniteResult:
+            self.release(mb)  # dropped: nothing was accumulated
+            raise
         del self._in_flight[mb]
         stash.refcount -= 1
         self._after_backward()
@@ -276,31 +285,75 @@ class StageExecutor:
         x_in = self._leaf_input(x)
         with torch.enable_grad():
             loss = self._loss_fn(self._call(stash.params, x_in), y.to(self.device))
+        if not all_finite(loss.detach()):
+            raise NonFiniteResult(f"loss of micro-batch {mb} is not finite")
         grad_input = self._backprop(loss, None, x_in, stash)
         self._after_backward()
         return LossResult(loss=float(loss.detach()), grad_input=grad_input)
 
-    def validate_forward(self, micro_batch_id: int, inputs: Tensor, labels: Tensor | None = None) -> None:
+    def validate_forward(
+        self,
+        micro_batch_id: int,
+        inputs: Tensor,
+        labels: Tensor | None = None,
+        *,
+        max_abs: float | None = None,
+    ) -> None:
         """Check a forward (or, on the last stage, forward_loss) message without changing any state.
 
         Lets a network handler refuse a bad message in its reply instead of failing later on the
-        compute thread. Raises `InvalidMessage` exactly when `forward`/`forward_loss` would.
+        compute thread. Raises `InvalidMessage` whenever `forward`/`forward_loss` would, and also for
+        float values beyond ``max_abs`` (the handler's magnitude bound).
         """
         mb = check_micro_batch_id(micro_batch_id)
         if mb in self._in_flight:
             raise InvalidMessage(f"micro-batch {mb} is already in flight")
-        x = check_tensor(inputs, self.input_spec, f"input of micro-batch {mb}")
+        x = check_tensor(inputs, self.input_spec, f"input of micro-batch {mb}", max_abs=max_abs)
         if self.is_last:
             assert self.label_spec is not None
-            check_tensor(labels, self.label_spec, f"labels of micro-batch {mb}", batch_size=x.shape[0])
+            check_tensor(
+                labels, self.label_spec, f"labels of micro-batch {mb}", batch_size=x.shape[0], max_abs=max_abs
+            )
 
-    def validate_backward(self, micro_batch_id: int, grad_output: Tensor) -> None:
+    def validate_backward(
+        self, micro_batch_id: int, grad_output: Tensor, *, max_abs: float | None = None
+    ) -> None:
         """Check a backward message without changing any state (see `validate_forward`)."""
         mb = check_micro_batch_id(micro_batch_id)
         record = self._in_flight.get(mb)
         if record is None:
             raise InvalidMessage(f"micro-batch {mb} is not in flight at this stage")
-        check_matches(grad_output, record.output_shape, record.output_dtype, f"gradient of micro-batch {mb}")
+        check_matches(
+            grad_output,
+            record.output_shape,
+            record.output_dtype,
+            f"gradient of micro-batch {mb}",
+            max_abs=max_abs,
+        )
+
+    def release(self, micro_batch_id: int) -> bool:
+        """Forget an in-flight micro-batch without a backward (it was dropped); frees its stash share.
+
+        Returns:
+            Whether it was in flight.
+        """
+        record = self._in_flight.pop(micro_batch_id, None)
+        if record is None:
+            return False
+        stash = self._stash.get(record.version)
+        if stash is not None:
+            stash.refcount -= 1
+            if stash.refcount <= 0 and record.version != self._weight_version:
+                del self._stash[record.version]
+        logger.debug("released mb=%d version=%d", micro_batch_id, record.version)
+        return True
+
+    def release_all(self) -> int:
+        """Release every in-flight micro-batch (the pipeline failed); returns how many there were."""
+        ids = list(self._in_flight)
+        for mb in ids:
+            self.release(mb)
+        return len(ids)
 
     def predict(self, inputs: Tensor) -> Tensor:
         """Evaluation forward with the live weights (eval mode, no grad, no state kept)."""
@@ -406,6 +459,8 @@ class StageExecutor:
             self._last_param_grads = {}
             return None
         grads = torch.autograd.grad(output, wrt, grad_outputs=grad, allow_unused=True)
+        if not all(g is None or all_finite(g) for g in grads):
+            raise NonFiniteResult("a gradient computed from this micro-batch is not finite")
         param_grads = {
             n: g if g is not None else torch.zeros_like(stash.params[n])
             for n, g in zip(names, grads[: len(names)], strict=True)

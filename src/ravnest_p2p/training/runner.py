@@ -405,7 +405,7 @@ class StageRunner:
             else:
                 await service.finished.wait()
             if service.failure is not None:
-                raise RavnestError(f"stage failed: {service.failure}")
+                raise RavnestError(f"stage failed: {service.failure}") from service.failure
             self._done = True
         except asyncio.CancelledError:
             cancelled = True  # e.g. restarted on a new plan: neither done nor failed

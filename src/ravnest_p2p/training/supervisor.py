@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ravnest_p2p.errors import NeighbourLost
 from ravnest_p2p.planning import JobParams, Plan
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.progress import (
@@ -91,7 +92,7 @@ class PlanSource(Protocol):
 class SuspectReporter(Protocol):
     """Tells the membership a peer looks dead, so it re-plans without waiting for the record to expire."""
 
-    async def report_suspect(self, peer_id: str, reason: str) -> None: ...
+    def report_suspect(self, peer_id: str, reason: str) -> None: ...
 
 
 class StageRun(Protocol):
@@ -108,12 +109,15 @@ WorkloadFactory = Callable[[JobSpec], Awaitable[tuple[JobParams, list[LayerProfi
 
 
 def _lost_neighbour(exc: BaseException) -> str | None:
-    """The dead neighbour a stage failure names, if it names one.
-
-    Switch on with the pipeline helper's typed error (`errors.NeighbourLost(peer_id)`) once merged.
-    """
-    peer_id = getattr(exc, "peer_id", None)  # NeighbourLost carries it; other errors do not
-    return peer_id if isinstance(peer_id, str) else None
+    """The dead neighbour a stage failure names (`errors.NeighbourLost`, possibly as a cause), if any."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # a short cause chain: the runner wraps the service's failure
+        if seen is None:
+            return None
+        if isinstance(seen, NeighbourLost):
+            return seen.peer_id
+        seen = seen.__cause__
+    return None
 
 
 class JobSupervisor:
@@ -350,10 +354,8 @@ class JobSupervisor:
         logger.error("job %s failed on this peer: %s", job.job_id, exc)
         lost = _lost_neighbour(exc)
         if lost is not None and self.suspects is not None:
-            try:
-                await self.suspects.report_suspect(lost, f"stage {role.stage_index}: {exc}"[:200])
-            except Exception as report_exc:
-                logger.debug("suspect report failed: %r", report_exc)
+            # the membership verifies (pings) and opens a new epoch without waiting for the record to expire
+            self.suspects.report_suspect(lost, f"stage {role.stage_index}: {exc}"[:200])
         if role.on_agreed_plan:
             # e.g. a pipeline partner died: the swarm re-plans without it, and we run again there
             self._failed_epoch[job.job_id] = role.epoch

@@ -42,7 +42,7 @@ def build(num_peers: int, num_buckets: int = 8):
                 RpcEndpoint(net.create(pid), "run"),
                 view,
                 get_epoch=lambda: 0,
-                on_epoch=lambda e: None,
+                on_epoch=lambda sender, e: None,
                 on_news=on_news,
                 fanout=2,
                 call_timeout_s=1.0,

@@ -1,17 +1,22 @@
-"""The stage service over the in-memory transport: window bound, 1F1B preference, dead neighbours."""
+"""The stage service over the in-memory transport: window bound, 1F1B, dead or slow neighbours, drops."""
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import pytest
 import torch
 
-from ravnest_p2p.errors import RavnestError
+from ravnest_p2p.errors import InvalidMessage, NeighbourLost, RemoteError
+from ravnest_p2p.runtime.messages import FORWARD, ForwardRequest
 from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.runtime.service import PipelineConfig, StageService
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.local import even_split
 from ravnest_p2p.training.stages import build_stage, load_dataset, num_layers, train_batches
 from ravnest_p2p.transport import FakeNetwork, RpcEndpoint
+from ravnest_p2p.utils import wait_until
 
 JOB = JobSpec(
     model="mlp",
@@ -24,7 +29,7 @@ JOB = JobSpec(
 )
 
 
-async def make_cluster(net: FakeNetwork, num_stages: int, *, window: int, timeout_s: float = 30.0):
+async def make_cluster(net: FakeNetwork, num_stages: int, *, window: int, timeout_s: float = 30.0, **knobs):
     peers = [f"p{i}" for i in range(num_stages)]
     services = []
     for i, (first, end) in enumerate(even_split(num_layers(JOB), num_stages)):
@@ -35,7 +40,11 @@ async def make_cluster(net: FakeNetwork, num_stages: int, *, window: int, timeou
             cluster_peers=peers,
             stage_index=i,
             config=PipelineConfig(
-                max_in_flight=window, micro_batch_timeout_s=timeout_s, send_attempts=1, send_timeout_s=1.0
+                max_in_flight=window,
+                micro_batch_timeout_s=timeout_s,
+                send_attempts=1,
+                send_timeout_s=1.0,
+                **knobs,
             ),
         )
         await service.start()
@@ -85,8 +94,9 @@ async def test_dead_next_stage_fails_the_pipeline_within_its_deadline():
     services = await make_cluster(net, 3, window=2, timeout_s=2.0)
     net.kill("p2")
     try:
-        with pytest.raises(RavnestError, match="failed"):
+        with pytest.raises(NeighbourLost) as lost:
             await services[0].train(batches())
+        assert lost.value.peer_id == "p2"  # named by the middle stage, whose forward to p2 failed
     finally:
         for s in services:
             await s.aclose()
@@ -107,3 +117,104 @@ async def test_evaluate_goes_through_all_stages_without_touching_state():
         for s in services:
             await s.aclose()
     assert torch.isfinite(torch.tensor(loss))
+
+
+FAST = {"heartbeat_period_s": 0.1, "neighbour_timeout_s": 0.6}
+
+
+async def test_a_dead_middle_stage_is_named_within_the_neighbour_timeout_and_the_stash_is_freed():
+    net = FakeNetwork()
+    services = await make_cluster(net, 3, window=3, **FAST)
+    original = services[1].executor.forward
+
+    def forward_then_die(mb, x):
+        if mb == 2:
+            net.kill("p1")  # dies after taking micro-batch 2: nothing comes back, nothing is sent to it
+        return original(mb, x)
+
+    services[1].executor.forward = forward_then_die
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        with pytest.raises(NeighbourLost) as lost:
+            await services[0].train(batches())
+        assert lost.value.peer_id == "p1"
+        assert loop.time() - started < 5.0  # not micro_batch_timeout_s (30 s here)
+        await wait_until(lambda: services[0].executor.in_flight == (), 5.0, message="stash freed")
+        assert services[0].executor.stashed_versions in ((), (services[0].executor.weight_version,))
+    finally:
+        for s in services:
+            await s.aclose()
+
+
+async def test_a_slow_but_alive_neighbour_is_not_declared_dead():
+    net = FakeNetwork()
+    services = await make_cluster(net, 3, window=2, **FAST)
+    original = services[2].executor.forward_loss
+
+    def slow_forward_loss(mb, x, y):
+        time.sleep(0.3)  # the compute thread is busy for longer than a ping's patience, pings still answer
+        return original(mb, x, y)
+
+    services[2].executor.forward_loss = slow_forward_loss
+    try:
+        stats = await services[0].train(batches()[:6])
+        assert stats.completed == 6
+        assert all(s.failure is None for s in services)
+        assert services[1].watch.num_pings > 0
+    finally:
+        for s in services:
+            await s.aclose()
+
+
+async def test_a_refused_forward_drops_the_micro_batch_and_the_first_stage_reissues_it():
+    net = FakeNetwork()
+    services = await make_cluster(net, 3, window=2, **FAST)
+    last = services[2]
+    original = last.executor.validate_forward
+    refused = []
+
+    def refuse_once(mb, x, labels=None, **kw):
+        if not refused:
+            refused.append(mb)
+            raise InvalidMessage("refused for the test")
+        return original(mb, x, labels, **kw)
+
+    last.executor.validate_forward = refuse_once
+    try:
+        stats = await services[0].train(batches())
+        assert refused == [0]
+        assert stats.completed == 10
+        assert stats.reissued == 1
+        assert stats.skipped == 0
+        assert services[1].stats.dropped == 1
+        assert services[0].stats.dropped == 1
+        assert last.ledger.refused["p1"] == 1  # counted against its sender
+        assert all(s.failure is None for s in services)
+        assert all(s.executor.in_flight == () for s in services)
+        assert all(s.executor.num_steps == 10 for s in services)
+    finally:
+        for s in services:
+            await s.aclose()
+
+
+async def test_a_neighbour_past_the_misbehaviour_threshold_is_excluded_and_named():
+    net = FakeNetwork()
+    services = await make_cluster(net, 3, window=2, misbehaviour_threshold=3, **FAST)
+    excluded = []
+    services[1].on_exclude = lambda peer, reason: excluded.append(peer)
+    rpc_as_first = services[0].rpc
+    x = torch.zeros(4, 16)
+    try:
+        for mb in range(3):
+            bad = ForwardRequest(epoch=3, micro_batch_id=mb, weight_version=0)
+            with pytest.raises(RemoteError):
+                await rpc_as_first.call("p1", FORWARD, bad, tensors=[x[:, :3], torch.zeros(4)], timeout_s=5)
+        assert excluded == ["p0"]
+        assert isinstance(services[1].failure, NeighbourLost)
+        assert services[1].failure.peer_id == "p0"
+        with pytest.raises(RemoteError, match="excluded"):  # refused before its handler runs
+            await rpc_as_first.call("p1", FORWARD, bad, tensors=[x, torch.zeros(4)], timeout_s=5)
+    finally:
+        for s in services:
+            await s.aclose()

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from ravnest_p2p.errors import NeighbourLost, RavnestError
 from ravnest_p2p.planning import JobParams
 from ravnest_p2p.training.job import JobSpec, StagePlacement
 from ravnest_p2p.training.placement import assignment_from_plan
@@ -52,14 +53,8 @@ class Suspects:
     def __init__(self) -> None:
         self.reports: list[tuple[str, str]] = []
 
-    async def report_suspect(self, peer_id: str, reason: str) -> None:
+    def report_suspect(self, peer_id: str, reason: str) -> None:
         self.reports.append((peer_id, reason))
-
-
-class NeighbourGone(Exception):
-    def __init__(self, peer_id: str) -> None:
-        super().__init__(f"neighbour {peer_id} lost")
-        self.peer_id = peer_id
 
 
 async def publish(dht: FakeDHT, job: JobSpec) -> FakeDHT:
@@ -147,7 +142,10 @@ async def test_a_failed_stage_on_an_assignment_ends_the_job_and_reports_the_lost
     sup, _ = supervisor(dht, runners, suspects=suspects)
     async with running(sup):
         await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run")
-        runners.made[0].fail = NeighbourGone("a")
+        lost = NeighbourLost("a", "no answer for 6.0s")
+        wrapped = RavnestError("stage failed")  # the runner wraps the service's failure, as a cause
+        wrapped.__cause__ = lost
+        runners.made[0].fail = wrapped
         runners.made[0].finish.set()
         await wait_until(lambda: "j" in sup.finished, 5, message="ended")
     assert suspects.reports
