@@ -458,6 +458,16 @@ class StageRunner:
             (held_out.inputs[i : i + job.eval_batch_size], held_out.labels[i : i + job.eval_batch_size])
             for i in range(0, len(held_out), job.eval_batch_size)
         ]
+        if self.restored != "none" and job.eval_every_steps:
+            # where the job resumes on this plan (e.g. to compare with where it was before a re-plan)
+            self.eval_loss, self.eval_accuracy = await service.evaluate(eval_batches)
+            logger.info(
+                "resumed at micro-batch %d: held-out loss %.4f accuracy %.4f",
+                role.data_start,
+                self.eval_loss,
+                self.eval_accuracy,
+            )
+            await self.publish_metrics()
         gated = self._until_stopped(batches)  # lazy: the pipeline never flushes to look at a stop
         chunk = job.eval_every_steps or None
         while True:

@@ -3,7 +3,8 @@
 A fetch asks one previous owner for one layer range of the job on the plan epoch it held it on, checked
 by the hand-over client (allow-list on the server, sizes, dtypes, shapes and digests on the client). The
 previous owner's stage may still run for up to a poll period after the plan moved (it notices at its next
-poll); its state then changes mid-transfer (`StateChanged`), and the fetch is retried a few times.
+poll): its state then changes mid-transfer (`StateChanged`), or it does not yet let a peer of the new plan
+in (`HandoverRefused`); the fetch is retried a few times, for a few seconds.
 
 Checkpoints are read from this peer's own checkpoint directory (the one `stage_hook` writes to), newest
 step first among those whose layer range covers the asked one: a peer restarted on the same disk resumes
@@ -19,7 +20,7 @@ import re
 from pathlib import Path
 
 from ravnest_p2p.training.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
-from ravnest_p2p.training.handover import StateChanged, fetch_state
+from ravnest_p2p.training.handover import HandoverRefused, StateChanged, fetch_state
 from ravnest_p2p.training.stage_hook import CHECKPOINT_DIR_ENV
 from ravnest_p2p.training.stage_state import StageState, names_in_layers
 from ravnest_p2p.transport.rpc import RpcEndpoint
@@ -38,7 +39,8 @@ class HandoverStateSource:
     Args:
         rpc: this peer's RPC endpoint.
         checkpoint_dir: where this peer keeps checkpoints (None: the environment's, else none).
-        attempts: fetch attempts per source when the owner's state changes mid-transfer.
+        attempts: fetch attempts per source while the owner's state changes mid-transfer, or while it
+            refuses us (it has not yet seen the plan that lets us in).
         timeout_s: deadline of one fetch.
     """
 
@@ -47,7 +49,7 @@ class HandoverStateSource:
         rpc: RpcEndpoint,
         *,
         checkpoint_dir: Path | None = None,
-        attempts: int = 3,
+        attempts: int = 5,
         timeout_s: float = 60.0,
     ) -> None:
         self.rpc = rpc
@@ -78,9 +80,9 @@ class HandoverStateSource:
                     epoch=epoch,
                     timeout_s=self.timeout_s,
                 )
-            except StateChanged:
-                logger.debug("state of %s moved mid-transfer (attempt %d)", peer_id, attempt + 1)
-                await asyncio.sleep(0.5 * (attempt + 1))  # its stage is about to stop: retry backoff
+            except (StateChanged, HandoverRefused) as exc:
+                logger.debug("state of %s not fetched (attempt %d): %r", peer_id, attempt + 1, exc)
+                await asyncio.sleep(min(0.5 * (attempt + 1), 2.0))  # it is about to see the new plan
         return None
 
     async def from_checkpoint(self, *, job_id: str, first_layer: int, end_layer: int) -> StageState | None:

@@ -1,0 +1,155 @@
+"""End to end, elastic: a job survives the SIGKILL of a stage and resumes with its state on the new plan.
+
+Four peer CLI processes (and a stock hivemind-dht bootstrap) agree on two clusters x two stages for a job
+published without an assignment that runs until stopped. Once it has clearly learned, the test SIGKILLs
+the process group of the last stage of one cluster and measures:
+
+- the time from the kill until the survivors train again on a newer plan (the job's progress record
+  shows that plan's pipelines moved past their start), which must be under 30 s;
+- the held-out loss at which the new plan resumes (each first stage evaluates right after restoring
+  its state, and logs it) against the loss before the kill: within 10 %, not back at the initial loss.
+
+Then the owner stops the job (`stop_job`), and `wait_for_job` returns its done metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from ravnest_p2p.client import RunClient, newest_epoch
+from ravnest_p2p.runtime.optim import OptimizerConfig
+from ravnest_p2p.swarm import LocalSwarm, PeerProcess
+from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.metrics import StageMetrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+RUN_ID = "elastic"
+INITIAL_LOSS = 2.30  # ln(10): ten digit classes, an untrained model
+PEER_CONFIG = """
+record_ttl_s = 6.0
+directory_refresh_s = 0.5
+check_identity_free = false
+job_poll_s = 0.5
+status_interval_s = 30.0
+
+[probe]
+period_s = 300.0
+initial_probe_bytes = 65536
+max_probe_bytes = 131072
+
+[membership]
+gossip_period_s = 0.5
+stable_rounds = 3
+hysteresis_s = 1.0
+join_delay_s = 1.0
+grace_s = 3.0
+agreement_timeout_s = 20.0
+"""
+_RESUMED = re.compile(r"resumed at micro-batch (\d+): held-out loss ([0-9.]+)")
+
+
+async def wait_for(
+    predicate: Callable[[], Awaitable[bool]], timeout_s: float, *, what: str, interval_s: float = 0.25
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        await asyncio.sleep(interval_s)
+
+
+def resumed_losses(peers: list[PeerProcess], after: int) -> list[tuple[int, float]]:
+    """(data position, held-out loss) of every resumption logged past position `after`."""
+    found = []
+    for peer in peers:
+        for position, loss in _RESUMED.findall(peer.log()):
+            if int(position) > after:
+                found.append((int(position), float(loss)))
+    return found
+
+
+async def test_a_killed_stage_moves_the_job_to_a_new_plan_with_its_state(tmp_path: Path):
+    config = tmp_path / "peer.toml"
+    config.write_text(PEER_CONFIG)
+    job = JobSpec(
+        job_id="elastic",
+        model="digits_cnn",
+        dataset="digits",
+        batch_size=32,
+        until_stopped=True,
+        min_stages=2,
+        eval_every_steps=16,
+        averaging_period_steps=8,
+        optimizer=OptimizerConfig(name="adam", lr=2e-3),
+    )
+    with LocalSwarm(
+        4, run_id=RUN_ID, bootstrap="hivemind-dht", peer_args=["--config", str(config)], workdir=tmp_path
+    ) as swarm:
+        by_id: dict[str, PeerProcess] = {p.peer_id: p for p in swarm.peers if p.peer_id}
+        assert len(by_id) == 4
+        async with await RunClient.connect(swarm.initial_peers, RUN_ID) as client:
+            await client.wait_for_peers(4, timeout_s=90, measured=False)
+            await client.publish_job(job)
+
+            plan: list[StageMetrics] = []
+
+            async def learned_on_one_plan() -> bool:
+                nonlocal plan
+                plan = newest_epoch(await client.metrics(job_id=job.job_id))
+                firsts = [m for m in plan if m.stage == 0]
+                return (
+                    len(plan) == 4
+                    and len(firsts) == 2
+                    and all(m.eval_loss is not None and m.eval_loss < 0.6 * INITIAL_LOSS for m in firsts)
+                )
+
+            await wait_for(learned_on_one_plan, 240, what="two clusters learning on one plan")
+            epoch = plan[0].epoch
+            assert {(m.cluster, m.stage) for m in plan} == {(0, 0), (0, 1), (1, 0), (1, 1)}, plan
+            victim = by_id[next(m.peer_id for m in plan if m.cluster == 1 and m.stage == 1)]
+            survivors = [p for p in swarm.peers if p is not victim]
+            before = newest_epoch(await client.metrics(job_id=job.job_id))
+            loss_before = max(m.eval_loss for m in before if m.stage == 0 and m.eval_loss is not None)
+            position_before = max(m.step for m in before if m.stage == 0)
+
+            os.killpg(victim.popen.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            victim.popen.wait(10)
+
+            async def training_again_on_a_new_plan() -> bool:
+                progress = await client.progress(job.job_id)
+                return progress is not None and progress.epoch > epoch and progress.started_epoch
+
+            await wait_for(training_again_on_a_new_plan, 120, what="training on a plan without the victim")
+            resumed_after_s = time.monotonic() - killed_at
+
+            async def resumption_logged() -> bool:
+                return bool(resumed_losses(survivors, position_before // 2))
+
+            await wait_for(resumption_logged, 30, what="a first stage's resumption in the logs")
+            resumed = resumed_losses(survivors, position_before // 2)
+            loss_after = max(loss for _, loss in resumed)
+            print(
+                f"kill -> training on the new plan: {resumed_after_s:.1f}s; held-out loss before the kill "
+                f"{loss_before:.4f} (micro-batch {position_before}), after resumption {resumed}"
+            )
+
+            await client.stop_job(job.job_id)
+            final = await client.wait_for_job(job, timeout_s=120, poll_s=0.5)
+
+        assert resumed_after_s < 30.0, resumed_after_s
+        assert loss_after <= 1.10 * loss_before, (loss_before, resumed)  # not back at the initial loss
+        assert all(position > position_before // 2 for position, _ in resumed)
+        assert final
+        assert victim.peer_id not in {m.peer_id for m in final}
+        assert max(m.epoch for m in final) > epoch
+        assert any(m.done for m in final if m.stage == 0), final
