@@ -224,8 +224,9 @@ class RunClient:
             # the swarm may have moved to a plan that no longer names the peers that finished the job:
             # their (signed) metrics are still what the job ended with
             return newest_epoch(metrics or signed), True
-        if progress is not None and progress.ended:
+        if progress is not None and progress.ended and not progress.stopped:
             raise RavnestError(f"job {job.job_id} ended: {progress.reason}")
+        # a stopped job is done once its clusters have finished (they publish done within seconds)
         records = await self.peers()
         return newest_epoch(metrics), current_plan_done(metrics, records)
 

@@ -482,6 +482,12 @@ class StageRunner:
             if part is None or chunk is None or len(part) < chunk:
                 break
             self.eval_loss, self.eval_accuracy = await service.evaluate(eval_batches)
+            logger.info(
+                "micro-batch %d: held-out loss %.4f accuracy %.4f",
+                self._fed(),
+                self.eval_loss,
+                self.eval_accuracy,
+            )
             await self.publish_metrics()
         self.eval_loss, self.eval_accuracy = await service.evaluate(eval_batches)
         logger.info("held-out loss %.4f accuracy %.4f", self.eval_loss, self.eval_accuracy)

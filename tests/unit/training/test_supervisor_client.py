@@ -96,7 +96,7 @@ async def test_wait_for_job_returns_on_the_progress_record_after_the_swarm_moved
     assert {m.peer_id for m in final} == {"a", "c", "dead"}  # what the newest epoch left, for the notebook
 
 
-async def test_an_ended_job_raises_and_stop_job_is_signed_by_the_client():
+async def test_a_failed_job_raises_a_stopped_one_waits_for_done_and_stop_job_is_signed_by_the_client():
     dht = FakeClientDHT("client")
     await dht.store_own("job", JOB.to_wire(), ttl_s=60)  # this client published the job
     client = client_on(dht, [])
@@ -104,13 +104,21 @@ async def test_an_ended_job_raises_and_stop_job_is_signed_by_the_client():
     view = await read_progress(dht, "j", owner_peer_id="client")
     assert view is not None
     assert view.stopped
-    with pytest.raises(RavnestError, match="stopped by its owner"):
-        await client.wait_for_job(JOB, timeout_s=2, poll_s=0.05)
     assert (await client.progress("j")) == view
+    with pytest.raises(TimeoutError):  # stopped, but no cluster has finished yet
+        await client.wait_for_job(JOB, timeout_s=0.2, poll_s=0.05)
     # someone else's stop does not count
     other = FakeClientDHT("other")
     await client_on(other, []).stop_job("j")
     assert (await read_progress(FakeDHT("x", other.store), "j", owner_peer_id="client")) is None
+    # a job that ended without being done (a stage of a fixed assignment failed) raises
+    failed = FakeClientDHT("client2")
+    await publish_progress(
+        failed.as_signer("a"),
+        JobProgress(job_id="j", peer_id="a", cluster=0, ended=True, reason="stage 1 failed"),
+    )
+    with pytest.raises(RavnestError, match="stage 1 failed"):
+        await client_on(failed, []).wait_for_job(JOB, timeout_s=2, poll_s=0.05)
 
 
 async def test_a_done_job_with_a_stop_is_done_not_failed():

@@ -35,7 +35,7 @@ BASE = JobSpec(
     model_params={"in_features": 16, "hidden_features": [32, 32], "out_features": 4},
     batch_size=16,
     num_epochs=10,
-    optimizer=OptimizerConfig(name="sgd", lr=0.1, momentum=0.9),
+    optimizer=OptimizerConfig(name="adam", lr=1e-2),
 )
 
 
