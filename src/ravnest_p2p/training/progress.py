@@ -20,6 +20,7 @@ leader — elections need their own agreement and a dead leader loses the record
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -117,6 +118,8 @@ class ProgressView:
         optimizer_steps: optimizer steps to resume the LR schedule from.
         train_wall_s: training time so far.
         started_epoch: whether the newest epoch's pipelines already moved past their start.
+        positions: data position by (plan epoch, cluster): how far each cluster of each plan got (a
+            cluster whose pipeline broke stops early; the hand-over prefers the furthest replica).
         done / stopped / ended: see `JobProgress`.
         reason: why it ended, if it did.
     """
@@ -127,6 +130,7 @@ class ProgressView:
     optimizer_steps: int = 0
     train_wall_s: float = 0.0
     started_epoch: bool = False
+    positions: Mapping[tuple[int, int], int] = dataclasses.field(default_factory=dict)
     done: bool = False
     stopped: bool = False
     ended: bool = False
@@ -162,6 +166,11 @@ def merge_progress(
     epoch = max((r.epoch for r in runs), default=0)
     newest = [r for r in runs if r.epoch == epoch]
     ended = next((r for r in runs if r.ended or r.done), None)
+    positions: dict[tuple[int, int], int] = {}
+    for r in runs:
+        assert r.cluster is not None
+        key = (r.epoch, r.cluster)
+        positions[key] = max(positions.get(key, 0), r.micro_batches)
     return ProgressView(
         job_id=job_id,
         epoch=epoch,
@@ -169,6 +178,7 @@ def merge_progress(
         optimizer_steps=max((r.optimizer_steps for r in runs), default=0),
         train_wall_s=max((r.train_wall_s for r in runs), default=0.0),
         started_epoch=any(r.micro_batches > r.epoch_start for r in newest),
+        positions=positions,
         done=any(r.done for r in runs),
         stopped=bool(stops),
         ended=ended is not None or bool(stops),

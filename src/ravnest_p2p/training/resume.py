@@ -15,14 +15,14 @@ the checkpoint helper's `fetch_state` client and checkpoint reader plug into (`n
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ravnest_p2p.training.role import Assignment, StageRole
 from ravnest_p2p.training.stage_state import StageState, StateMismatch, merge_states, names_in_layers
 
-__all__ = ["HeldState", "Segment", "StateSource", "gather_state", "state_sources"]
+__all__ = ["HeldState", "Segment", "StateSource", "freshest_first", "gather_state", "state_sources"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,32 +76,45 @@ def _owner(cluster: Sequence[Any], layer: int) -> str | None:
     return None
 
 
-def state_sources(previous: Assignment, role: StageRole, *, alive: Collection[str]) -> list[Segment]:
+def state_sources(
+    previous: Assignment,
+    role: StageRole,
+    *,
+    alive: Collection[str],
+    cluster_order: Sequence[int] | None = None,
+) -> list[Segment]:
     """For every layer of `role`, the previous plan's holders to ask, grouped into segments.
 
     Args:
         previous: the previous plan's clusters (the only peers ever asked).
         role: the new role.
         alive: peers believed alive now (this peer counts as alive).
+        cluster_order: the previous plan's clusters, freshest state first (e.g. by how far each got:
+            a cluster whose pipeline broke stopped early). Every layer then comes from the first
+            cluster in this order whose holder is alive, so a stage is not stitched from replicas at
+            different points. None: the same cluster index as the role's first, then the others, with
+            this peer's own copy (no network) ahead of all.
 
     Returns:
-        Segments covering [role.first_layer, role.end_layer) in order; each lists the previous owner in
-        the same cluster index first, then the owners in the other clusters (lowest index first).
+        Segments covering [role.first_layer, role.end_layer) in order.
     """
     segments: list[Segment] = []
     live = set(alive) | {role.peer_id}
-    for layer in range(role.first_layer, role.end_layer):
+    if cluster_order is None:
         order = list(range(len(previous)))
         if role.cluster_index < len(previous):
             order.remove(role.cluster_index)
             order.insert(0, role.cluster_index)
+    else:
+        order = [c for c in cluster_order if 0 <= c < len(previous)]
+    for layer in range(role.first_layer, role.end_layer):
         candidates: list[str] = []
         for c in order:
             owner = _owner(previous[c], layer)
             if owner is not None and owner in live and owner not in candidates:
                 candidates.append(owner)
-        if role.peer_id in candidates:  # our own copy first: no network, and it is what we trained
-            candidates.remove(role.peer_id)
+        if cluster_order is None and role.peer_id in candidates:
+            candidates.remove(role.peer_id)  # our own copy first: no network, and it is what we trained
             candidates.insert(0, role.peer_id)
         if segments and segments[-1].candidates == tuple(candidates):
             last = segments[-1]
@@ -109,6 +122,19 @@ def state_sources(previous: Assignment, role: StageRole, *, alive: Collection[st
         else:
             segments.append(Segment(layer, layer + 1, tuple(candidates)))
     return segments
+
+
+def freshest_first(
+    positions: Mapping[tuple[int, int], int], *, epoch: int, num_clusters: int, prefer: int
+) -> list[int] | None:
+    """Cluster indices of plan `epoch`, furthest data position first (ties: `prefer`, then by index).
+
+    None when no cluster of that plan reported a position (then `state_sources` uses its default).
+    """
+    known = {c: positions[(epoch, c)] for c in range(num_clusters) if (epoch, c) in positions}
+    if not known:
+        return None
+    return sorted(range(num_clusters), key=lambda c: (-known.get(c, -1), c != prefer, c))
 
 
 async def gather_state(

@@ -10,6 +10,7 @@ owns the job's life across plans; a runner lives for one plan.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import resource
@@ -53,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 JOB_KEY = "job"
 _FINAL_METRICS_S = 30.0
+_HANDOVER_PROGRESS_S = 3.0
 
 Placement = StageRole  # the old name of a stage's place in a job
 
@@ -418,6 +420,11 @@ class StageRunner:
             await self._tasks.aclose()
             if not cancelled:
                 await self.publish_metrics(final=True)
+            elif role.is_first and self.dht is not None:
+                # handed over: the next plan resumes the data where this run stopped feeding it
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(_HANDOVER_PROGRESS_S):
+                        await publish_progress(self.dht, self.progress())
             await service.aclose()
             if self.replicas is not None:
                 await self.replicas.aclose()

@@ -40,7 +40,7 @@ from ravnest_p2p.training.progress import (
     publish_progress,
     read_progress,
 )
-from ravnest_p2p.training.resume import HeldState, StateSource, gather_state, state_sources
+from ravnest_p2p.training.resume import HeldState, StateSource, freshest_first, gather_state, state_sources
 from ravnest_p2p.training.role import StageRole, role_for
 from ravnest_p2p.training.runner import read_job_signed
 from ravnest_p2p.training.stage_state import StageState
@@ -222,7 +222,7 @@ class JobSupervisor:
             return None
         if role.on_agreed_plan and not rerun_allowed(self._failed_epoch.get(job.job_id), role.epoch):
             return None
-        await self._run(job, owner, role)
+        await self._run(job, owner, role, progress)
         return role
 
     async def _read(self, coro: Awaitable[Any]) -> Any:
@@ -248,7 +248,7 @@ class JobSupervisor:
         return role_for(job, plan, self.peer_id, progress=progress)
 
     # ----- one run -----------------------------------------------------------------------------------
-    async def _starting_state(self, role: StageRole) -> StageState | None:
+    async def _starting_state(self, role: StageRole, progress: ProgressView | None) -> StageState | None:
         held = self._held.get(role.job_id)
         previous = self._previous.get(role.job_id)
         if previous is None or previous.epoch == role.epoch:
@@ -260,7 +260,13 @@ class JobSupervisor:
             )
         allowed = previous.plan_peers
         alive = set(self.alive()) if self.alive is not None else set(allowed)
-        segments = state_sources(previous.assignment, role, alive=alive)
+        order = freshest_first(
+            progress.positions if progress is not None else {},
+            epoch=previous.epoch,
+            num_clusters=previous.num_clusters,
+            prefer=role.cluster_index,
+        )
+        segments = state_sources(previous.assignment, role, alive=alive, cluster_order=order)
         state, self.last_origin = await gather_state(
             role,
             segments,
@@ -272,7 +278,7 @@ class JobSupervisor:
         logger.info("job %s: stage state from %s", role.job_id, self.last_origin)
         return state
 
-    async def _run(self, job: JobSpec, owner: str, role: StageRole) -> None:
+    async def _run(self, job: JobSpec, owner: str, role: StageRole, progress: ProgressView | None) -> None:
         logger.info(
             "job %s: stage %d of %d in cluster %d (epoch %d, from micro-batch %d)",
             job.job_id,
@@ -294,7 +300,7 @@ class JobSupervisor:
             if self.serve_to is not None and previous is not None and previous.epoch != role.epoch:
                 # the new owners pull from us (the old plan's peers may still ask too)
                 self.serve_to(job.job_id, previous.epoch, previous.plan_peers | role.plan_peers)
-            state = await self._starting_state(role)
+            state = await self._starting_state(role, progress)
             placed = job.model_copy(update={"assignment": role.assignment})
             runner = self.runner = self.start_runner(placed, role, state)
             task = self._tasks.spawn(runner.run(), name=f"job-{job.job_id}-{role.epoch}")

@@ -33,6 +33,7 @@ def test_merge_takes_the_newest_epoch_and_the_furthest_position():
     assert view is not None
     assert (view.epoch, view.micro_batches, view.optimizer_steps, view.train_wall_s) == (2, 44, 44, 10.0)
     assert view.started_epoch
+    assert view.positions == {(1, 0): 40, (2, 0): 44, (2, 1): 40}
     assert not view.finished
 
 

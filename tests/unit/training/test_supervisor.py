@@ -14,7 +14,7 @@ from ravnest_p2p.planning import JobParams
 from ravnest_p2p.training.job import JobSpec, StagePlacement
 from ravnest_p2p.training.placement import assignment_from_plan
 from ravnest_p2p.training.progress import PROGRESS_KEY, JobProgress, publish_progress, read_progress
-from ravnest_p2p.training.resume import Segment, gather_state, state_sources
+from ravnest_p2p.training.resume import Segment, freshest_first, gather_state, state_sources
 from ravnest_p2p.training.role import role_for
 from ravnest_p2p.training.runner import JOB_KEY
 from ravnest_p2p.training.supervisor import JobSupervisor, SupervisorConfig
@@ -301,3 +301,19 @@ async def test_drain_hands_the_stage_over_and_returns_when_the_plan_moves_on_wit
         await asyncio.wait_for(task, 5)  # the loop ends after a drain
     assert PeerState.DRAINING in states
     assert len(runners.made) == 1
+
+
+def test_sources_follow_the_freshest_cluster_so_a_stage_is_not_stitched_from_stale_replicas():
+    previous = assignment_from_plan(make_plan(1, [("a", 0, 1), ("b", 1, 3)], [("c", 0, 2), ("d", 2, 3)]))
+    role = role_for(JOB, make_plan(2, [("a", 0, 3)]), "a", num_train_samples=204)
+    assert role is not None
+    # cluster 0 broke at micro-batch 64 (b died); cluster 1 trained on to 320
+    order = freshest_first({(1, 0): 64, (1, 1): 320, (0, 0): 999}, epoch=1, num_clusters=2, prefer=0)
+    assert order == [1, 0]
+    assert state_sources(previous, role, alive={"a", "c", "d"}, cluster_order=order) == [
+        Segment(0, 1, ("c", "a")),  # c's fresh copy, not our own stale one
+        Segment(1, 2, ("c",)),  # b died
+        Segment(2, 3, ("d",)),
+    ]
+    assert freshest_first({}, epoch=1, num_clusters=2, prefer=0) is None
+    assert freshest_first({(1, 1): 5}, epoch=1, num_clusters=3, prefer=2) == [1, 2, 0]

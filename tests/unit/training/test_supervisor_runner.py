@@ -140,3 +140,27 @@ async def test_a_wall_time_limit_ends_the_job_counting_earlier_plans():
     _, final = await asyncio.wait_for(train(job, progress=earlier), 30)
     assert final[0].done
     assert final[0].train_wall_s < 5.0
+
+
+async def test_a_run_cancelled_for_a_new_plan_keeps_its_state_and_records_where_its_data_stopped():
+    job = BASE.model_copy(update={"until_stopped": True})
+    net, dht = FakeNetwork(), FakeDHT("p0")
+    runners = [
+        StageRunner(RpcEndpoint(net.create(r.peer_id), "t"), dht, job, r, metrics_period_s=60.0)
+        for r in roles(job)
+    ]
+    tasks = [asyncio.create_task(r.run()) for r in runners]
+    await wait_until(
+        lambda: runners[0].service is not None and runners[0].service.stats.completed > 10,
+        30,
+        message="steps",
+    )
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    fed = runners[0].service.stats.completed if runners[0].service else 0
+    view = await read_progress(dht, "r", owner_peer_id=None)
+    assert view is not None
+    assert view.micro_batches >= fed - 1  # published on hand-over, not a metrics period earlier
+    assert not view.done
+    assert all(r.held_state is not None for r in runners)
