@@ -16,11 +16,11 @@ from ravnest_p2p.discovery import OWNERS_KEY, OwnersRecord, PeerDirectory, PeerR
 from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.membership import DhtPlanBoard
 from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.jobs import JOB_KEY, read_job_signed
 from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics, member_metrics, plan_members
 from ravnest_p2p.training.placement import plan_assignment
 from ravnest_p2p.training.progress import JobProgress, ProgressView, publish_progress, read_progress
 from ravnest_p2p.training.run_keys import run_keys
-from ravnest_p2p.training.runner import JOB_KEY, read_job_signed
 
 __all__ = ["RunClient", "current_plan_done", "newest_epoch"]
 

@@ -10,6 +10,10 @@ the process group of the last stage of one cluster and measures:
   its state, and logs it) against the loss before the kill: within 10 %, not back at the initial loss.
 
 Then the owner stops the job (`stop_job`), and `wait_for_job` returns its done metrics.
+
+A second test sends SIGTERM instead (a graceful leave): the peer announces draining, hands its stage
+over and exits once the new plan no longer names it, within its 30 s drain grace; the job resumes without
+it, not from the initial loss.
 """
 
 from __future__ import annotations
@@ -73,10 +77,8 @@ def logged_losses(peers: list[PeerProcess], pattern: re.Pattern[str]) -> list[tu
     return sorted((int(p), float(loss)) for peer in peers for p, loss in pattern.findall(peer.log()))
 
 
-async def test_a_killed_stage_moves_the_job_to_a_new_plan_with_its_state(tmp_path: Path):
-    config = tmp_path / "peer.toml"
-    config.write_text(PEER_CONFIG)
-    job = JobSpec(
+def elastic_job() -> JobSpec:
+    return JobSpec(
         job_id="elastic",
         model="digits_cnn",
         dataset="digits",
@@ -87,6 +89,31 @@ async def test_a_killed_stage_moves_the_job_to_a_new_plan_with_its_state(tmp_pat
         averaging_period_steps=8,
         optimizer=OptimizerConfig(name="adam", lr=2e-3),
     )
+
+
+async def learned_on_one_plan(client: RunClient, job: JobSpec) -> list[StageMetrics]:
+    """Wait until two clusters of two stages train the job on one plan and have clearly learned."""
+    plan: list[StageMetrics] = []
+
+    async def learned() -> bool:
+        nonlocal plan
+        plan = newest_epoch(await client.metrics(job_id=job.job_id))
+        firsts = [m for m in plan if m.stage == 0]
+        return (
+            len(plan) == 4
+            and len(firsts) == 2
+            and all(m.eval_loss is not None and m.eval_loss < 0.6 * INITIAL_LOSS for m in firsts)
+        )
+
+    await wait_for(learned, 240, what="two clusters learning on one plan")
+    assert {(m.cluster, m.stage) for m in plan} == {(0, 0), (0, 1), (1, 0), (1, 1)}, plan
+    return plan
+
+
+async def test_a_killed_stage_moves_the_job_to_a_new_plan_with_its_state(tmp_path: Path):
+    config = tmp_path / "peer.toml"
+    config.write_text(PEER_CONFIG)
+    job = elastic_job()
     with LocalSwarm(
         4, run_id=RUN_ID, bootstrap="hivemind-dht", peer_args=["--config", str(config)], workdir=tmp_path
     ) as swarm:
@@ -96,21 +123,8 @@ async def test_a_killed_stage_moves_the_job_to_a_new_plan_with_its_state(tmp_pat
             await client.wait_for_peers(4, timeout_s=90, measured=False)
             await client.publish_job(job)
 
-            plan: list[StageMetrics] = []
-
-            async def learned_on_one_plan() -> bool:
-                nonlocal plan
-                plan = newest_epoch(await client.metrics(job_id=job.job_id))
-                firsts = [m for m in plan if m.stage == 0]
-                return (
-                    len(plan) == 4
-                    and len(firsts) == 2
-                    and all(m.eval_loss is not None and m.eval_loss < 0.6 * INITIAL_LOSS for m in firsts)
-                )
-
-            await wait_for(learned_on_one_plan, 240, what="two clusters learning on one plan")
+            plan = await learned_on_one_plan(client, job)
             epoch = plan[0].epoch
-            assert {(m.cluster, m.stage) for m in plan} == {(0, 0), (0, 1), (1, 0), (1, 1)}, plan
             victim = by_id[next(m.peer_id for m in plan if m.cluster == 1 and m.stage == 1)]
             survivors = [p for p in swarm.peers if p is not victim]
             os.killpg(victim.popen.pid, signal.SIGKILL)
@@ -158,3 +172,55 @@ async def test_a_killed_stage_moves_the_job_to_a_new_plan_with_its_state(tmp_pat
         assert victim.peer_id not in {m.peer_id for m in final}
         assert max(m.epoch for m in final) > epoch
         assert any(m.done for m in final if m.stage == 0), final
+
+
+async def test_a_leaving_peer_hands_its_stage_over_and_exits_within_its_grace(tmp_path: Path):
+    config = tmp_path / "peer.toml"
+    config.write_text(PEER_CONFIG)
+    job = elastic_job()
+    with LocalSwarm(
+        4, run_id=RUN_ID, bootstrap="hivemind-dht", peer_args=["--config", str(config)], workdir=tmp_path
+    ) as swarm:
+        by_id: dict[str, PeerProcess] = {p.peer_id: p for p in swarm.peers if p.peer_id}
+        async with await RunClient.connect(swarm.initial_peers, RUN_ID) as client:
+            await client.wait_for_peers(4, timeout_s=90, measured=False)
+            await client.publish_job(job)
+            plan = await learned_on_one_plan(client, job)
+            epoch = plan[0].epoch
+            leaver = by_id[next(m.peer_id for m in plan if m.cluster == 1 and m.stage == 1)]
+            survivors = [p for p in swarm.peers if p is not leaver]
+
+            leaver.popen.send_signal(signal.SIGTERM)  # the CLI's graceful leave
+            asked_at = time.monotonic()
+
+            async def training_again_on_a_new_plan() -> bool:
+                progress = await client.progress(job.job_id)
+                return progress is not None and progress.epoch > epoch and progress.started_epoch
+
+            await wait_for(training_again_on_a_new_plan, 120, what="training on a plan without the leaver")
+            resumed_after_s = time.monotonic() - asked_at
+            exit_code = await asyncio.to_thread(leaver.popen.wait, 60)
+            exited_after_s = time.monotonic() - asked_at
+            position_at_leave = logged_losses(survivors, _EVALUATED)[-1][0]
+
+            def resumed_after_the_leave() -> list[tuple[int, float]]:
+                return [r for r in logged_losses(survivors, _RESUMED) if r[0] > position_at_leave // 2]
+
+            async def resumption_logged() -> bool:
+                return bool(resumed_after_the_leave())
+
+            await wait_for(resumption_logged, 30, what="a first stage's resumption in the logs")
+            resumed = resumed_after_the_leave()
+            print(
+                f"SIGTERM -> training on the new plan: {resumed_after_s:.1f}s, the leaver exited after "
+                f"{exited_after_s:.1f}s (code {exit_code}); resumed at {resumed}"
+            )
+            log = leaver.log()
+            await client.stop_job(job.job_id)
+            final = await client.wait_for_job(job, timeout_s=120, poll_s=0.5)
+
+        assert "leaving: announcing draining" in log
+        assert exit_code == 0
+        assert exited_after_s < 30.0 + 15.0  # the drain grace, plus closing the daemon and the DHT
+        assert all(loss < 0.5 * INITIAL_LOSS for _, loss in resumed)  # not back at the initial loss
+        assert leaver.peer_id not in {m.peer_id for m in final}

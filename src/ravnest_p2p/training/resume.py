@@ -9,18 +9,30 @@ stranger cannot feed a stage weights. When no source answers, the layers start f
 (logged as a warning: the job then loses what those layers learned).
 
 `state_sources` is pure (unit-tested); `gather_state` runs the calls through a `StateSource`, the seam
-the checkpoint helper's `fetch_state` client and checkpoint reader plug into (`node.py` wires it).
+the hand-over client and the checkpoint reader plug into (`state_source.py`, wired by `node.py`).
+`apply_state` restores what was gathered into a new stage; `cluster_batches` resumes the data.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from torch import Tensor
+
+from ravnest_p2p.runtime.stage import StageExecutor
+from ravnest_p2p.training.data import ArrayDataset, iterate_batches, num_batches
+from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.role import Assignment, StageRole
-from ravnest_p2p.training.stage_state import StageState, StateMismatch, merge_states, names_in_layers
+from ravnest_p2p.training.stage_state import (
+    StageState,
+    StateMismatch,
+    merge_states,
+    names_in_layers,
+    restore_state,
+)
 
 __all__ = ["HeldState", "Segment", "StateSource", "freshest_first", "gather_state", "state_sources"]
 
@@ -218,3 +230,61 @@ def _slice(state: StageState | None, segment: Segment) -> StageState | None:
         return state.subset(names_in_layers(state.tensors, segment.first_layer, segment.end_layer))
     except StateMismatch:  # a name that is not a global state name: nothing from this source
         return None
+
+
+def apply_state(executor: StageExecutor, state: StageState) -> str:
+    """Resume `executor` from `state` (global names); returns what was restored: full, partial or none.
+
+    A state covering the whole stage restores everything it carries (parameters, buffers, optimizer
+    state, counters and LR schedule: `stage_state.restore_state`). A partial one (some layers had no
+    source) restores what it has, the rest keeps the initial weights; a state that does not fit at all
+    changes nothing.
+    """
+    try:
+        restore_state(executor, state, complete=True)
+        return "full"
+    except StateMismatch as exc:
+        logger.info("stage state is not complete (%s): restoring what there is", exc)
+    try:
+        restore_state(executor, state, complete=False)
+        return "partial"
+    except StateMismatch as exc:
+        logger.warning("stage state does not fit this stage: %s", exc)
+        return "none"
+
+
+def cluster_batches(
+    job: JobSpec,
+    dataset: ArrayDataset,
+    *,
+    cluster_index: int,
+    num_clusters: int,
+    start: int,
+    stop: int | None,
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """The cluster's micro-batches from job position `start` up to `stop` (None: forever; epochs wrap).
+
+    Position p is batch ``p % per_epoch`` of data epoch ``p // per_epoch`` of the cluster's shard and
+    shuffle; from 0 to the job's final step it yields what `stages.train_batches` yields.
+    """
+    per_epoch = num_batches(len(dataset), batch_size=job.batch_size, num_shards=num_clusters)
+    if per_epoch < 1:
+        raise ValueError(f"{len(dataset)} samples cannot feed {num_clusters} clusters")
+    position = start
+    while stop is None or position < stop:
+        epoch, index = divmod(position, per_epoch)
+        batches = iterate_batches(
+            dataset,
+            batch_size=job.batch_size,
+            seed=job.seed,
+            epoch=epoch,
+            shard_index=cluster_index,
+            num_shards=num_clusters,
+        )
+        for i, batch in enumerate(batches):
+            if i >= per_epoch or (stop is not None and position >= stop):
+                break
+            if i < index:
+                continue
+            position += 1
+            yield batch

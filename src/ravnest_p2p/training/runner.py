@@ -19,19 +19,19 @@ from collections.abc import Callable, Iterator
 
 from torch import Tensor
 
-from ravnest_p2p.discovery import OWNERS_KEY, RunDHT, authorized_signers, dht_time
+from ravnest_p2p.discovery import RunDHT, dht_time
 from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.runtime.service import PipelineConfig, StageService
-from ravnest_p2p.runtime.stage import StageExecutor
-from ravnest_p2p.training.data import ArrayDataset, iterate_batches, num_batches
+from ravnest_p2p.training.data import ArrayDataset
 from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.jobs import JOB_KEY, pick_job, pick_job_signed, read_job, read_job_signed
 from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics
 from ravnest_p2p.training.progress import JobProgress, ProgressStore, publish_progress
 from ravnest_p2p.training.replicas import ReplicaAverager, tensor_digests
-from ravnest_p2p.training.resume import HeldState
+from ravnest_p2p.training.resume import HeldState, apply_state, cluster_batches
 from ravnest_p2p.training.role import StageRole, role_for
 from ravnest_p2p.training.stage_hook import attach_stage_state
-from ravnest_p2p.training.stage_state import StageState, StateMismatch, capture_state, restore_state
+from ravnest_p2p.training.stage_state import StageState, capture_state
 from ravnest_p2p.training.stages import build_stage, load_dataset
 from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import TaskOwner
@@ -52,7 +52,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-JOB_KEY = "job"
 _FINAL_METRICS_S = 30.0
 _HANDOVER_PROGRESS_S = 3.0
 
@@ -62,122 +61,6 @@ Placement = StageRole  # the old name of a stage's place in a job
 def find_placement(job: JobSpec, peer_id: str) -> StageRole | None:
     """Where `peer_id` sits in the job's explicit assignment, if anywhere (`role_for` on it)."""
     return role_for(job, None, peer_id)
-
-
-def pick_job_signed(
-    found: dict[str, tuple[object, float]],
-    *,
-    run_owner: str | None = None,
-    owners: dict[str, tuple[object, float]] | None = None,
-) -> tuple[str, JobSpec] | None:
-    """(signer, job) of the run's job among signed `job` values ({signer: (value, expiry)}); None if none.
-
-    Open run (`run_owner` None): any signer's job; the one that expires last wins. Owned run: only jobs
-    signed by the owner or by a key its ``owners`` record lists; a delegate's job counts only while that
-    record lives, and its expiry is capped at the record's (the owner's say-so bounds it). The job with
-    the latest (capped) expiry wins; on a tie the owner's. The ``job`` key's maximum TTL (one day, see
-    `discovery.keys`) caps every expiry, the owner's too.
-    """
-    allowed = authorized_signers(run_owner, owners or {}) if run_owner is not None else None
-    newest: tuple[float, bool, str, JobSpec] | None = None
-    for signer, (value, expiration) in found.items():
-        if allowed is not None:
-            if signer not in allowed or allowed[signer] < dht_time():
-                logger.debug("ignoring a job from %s: not an owner of this run", signer)
-                continue
-            expiration = min(expiration, allowed[signer])
-        try:
-            job = JobSpec.model_validate(value)
-        except Exception as exc:
-            logger.debug("ignoring malformed job from %s: %s", signer, exc)
-            continue
-        rank = (expiration, signer == run_owner)
-        if newest is None or rank > newest[:2]:
-            newest = (expiration, signer == run_owner, signer, job)
-    return (newest[2], newest[3]) if newest else None
-
-
-def pick_job(
-    found: dict[str, tuple[object, float]],
-    *,
-    run_owner: str | None = None,
-    owners: dict[str, tuple[object, float]] | None = None,
-) -> JobSpec | None:
-    """The run's job among signed `job` values (see `pick_job_signed`)."""
-    picked = pick_job_signed(found, run_owner=run_owner, owners=owners)
-    return picked[1] if picked else None
-
-
-async def read_job_signed(dht: ProgressStore, *, run_owner: str | None = None) -> tuple[str, JobSpec] | None:
-    """(signer, job) of the run's current job (see `pick_job_signed`); `run_owner` defaults to the DHT's."""
-    run_owner = run_owner if run_owner is not None else dht.run_owner
-    found = await dht.get_signed(JOB_KEY)
-    owners = await dht.get_signed(OWNERS_KEY) if run_owner is not None and found else {}
-    return pick_job_signed(found, run_owner=run_owner, owners=owners)
-
-
-async def read_job(dht: ProgressStore, *, run_owner: str | None = None) -> JobSpec | None:
-    """The run's current job (see `pick_job_signed`); `run_owner` defaults to the DHT's."""
-    picked = await read_job_signed(dht, run_owner=run_owner)
-    return picked[1] if picked else None
-
-
-def apply_state(executor: StageExecutor, state: StageState) -> str:
-    """Resume `executor` from `state` (global names); returns what was restored: full, partial or none.
-
-    A state covering the whole stage restores everything it carries (parameters, buffers, optimizer
-    state, counters and LR schedule: `stage_state.restore_state`). A partial one (some layers had no
-    source) restores what it has, the rest keeps the initial weights; a state that does not fit at all
-    changes nothing.
-    """
-    try:
-        restore_state(executor, state, complete=True)
-        return "full"
-    except StateMismatch as exc:
-        logger.info("stage state is not complete (%s): restoring what there is", exc)
-    try:
-        restore_state(executor, state, complete=False)
-        return "partial"
-    except StateMismatch as exc:
-        logger.warning("stage state does not fit this stage: %s", exc)
-        return "none"
-
-
-def cluster_batches(
-    job: JobSpec,
-    dataset: ArrayDataset,
-    *,
-    cluster_index: int,
-    num_clusters: int,
-    start: int,
-    stop: int | None,
-) -> Iterator[tuple[Tensor, Tensor]]:
-    """The cluster's micro-batches from job position `start` up to `stop` (None: forever; epochs wrap).
-
-    Position p is batch ``p % per_epoch`` of data epoch ``p // per_epoch`` of the cluster's shard and
-    shuffle; from 0 to the job's final step it yields what `stages.train_batches` yields.
-    """
-    per_epoch = num_batches(len(dataset), batch_size=job.batch_size, num_shards=num_clusters)
-    if per_epoch < 1:
-        raise ValueError(f"{len(dataset)} samples cannot feed {num_clusters} clusters")
-    position = start
-    while stop is None or position < stop:
-        epoch, index = divmod(position, per_epoch)
-        batches = iterate_batches(
-            dataset,
-            batch_size=job.batch_size,
-            seed=job.seed,
-            epoch=epoch,
-            shard_index=cluster_index,
-            num_shards=num_clusters,
-        )
-        for i, batch in enumerate(batches):
-            if i >= per_epoch or (stop is not None and position >= stop):
-                break
-            if i < index:
-                continue
-            position += 1
-            yield batch
 
 
 def _peak_rss_bytes() -> int:

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ravnest_p2p.errors import NeighbourLost
 from ravnest_p2p.planning import JobParams, Plan
 from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.jobs import read_job_signed
 from ravnest_p2p.training.progress import (
     JobProgress,
     ProgressStore,
@@ -42,7 +43,6 @@ from ravnest_p2p.training.progress import (
 )
 from ravnest_p2p.training.resume import HeldState, StateSource, freshest_first, gather_state, state_sources
 from ravnest_p2p.training.role import StageRole, role_for
-from ravnest_p2p.training.runner import read_job_signed
 from ravnest_p2p.training.stage_state import StageState
 from ravnest_p2p.types import LayerProfile, PeerState
 from ravnest_p2p.utils import TaskOwner
@@ -60,13 +60,20 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def rerun_allowed(failed_epoch: int | None, plan_epoch: int) -> bool:
-    """Whether a job on the agreed plan may run on `plan_epoch` here, given the epoch it failed on.
+def rerun_allowed(
+    failed_epoch: int | None, plan_epoch: int, *, failures: int = 1, retries_per_plan: int = 0
+) -> bool:
+    """Whether a job on the agreed plan may run on `plan_epoch` here, given the epoch it last failed on.
 
-    A failed job is retried only on a newer plan: the same plan would fail the same way (e.g. a dead
-    stage in our cluster), and a plan is how the swarm routes around the fault.
+    A newer plan always may (a plan is how the swarm routes around a fault). The same plan may be
+    retried `retries_per_plan` times: while a re-plan spreads, a neighbour still on the old plan refuses
+    the new plan's first messages and the stage fails at once (seen on loopback: a stage failed 0.2 s
+    into its new plan with "moved to another plan"); a dead neighbour fails every retry the same way, and
+    the membership, told of it, opens the next plan.
     """
-    return failed_epoch is None or plan_epoch > failed_epoch
+    if failed_epoch is None or plan_epoch > failed_epoch:
+        return True
+    return plan_epoch == failed_epoch and failures <= retries_per_plan
 
 
 class SupervisorConfig(BaseModel):
@@ -75,6 +82,7 @@ class SupervisorConfig(BaseModel):
     poll_s: float = Field(default=2.0, gt=0, description="how often the job, plan and progress are read")
     read_timeout_s: float = Field(default=20.0, gt=0, description="one DHT read of the job or progress")
     drain_grace_s: float = Field(default=30.0, ge=0, description="a leaving peer serves its state this long")
+    retries_per_plan: int = Field(default=2, ge=0, le=100, description="runs of a failed role on one plan")
 
 
 class PlanSource(Protocol):
@@ -172,7 +180,7 @@ class JobSupervisor:
         self.runner: StageRun | None = None
         self.last_origin: dict[str, str] = {}  # where the last run's state came from, by layer span
         self.runs: list[StageRole] = []  # every role this supervisor started, in order (tests, status)
-        self._failed_epoch: dict[str, int] = {}
+        self._failed_epoch: dict[str, tuple[int, int]] = {}  # job -> (epoch it last failed on, failures)
         self._ran: set[tuple[str, int]] = set()  # (job, epoch) this process started
         self._held: dict[str, HeldState] = {}  # job -> the stage state this process holds
         self._previous: dict[str, StageRole] = {}  # job -> the role it last ran (its plan and epoch)
@@ -220,7 +228,10 @@ class JobSupervisor:
                 self._refused = (job.job_id, role.epoch)
                 logger.info("job %s: not running stage %d here: %s", job.job_id, role.stage_index, why)
             return None
-        if role.on_agreed_plan and not rerun_allowed(self._failed_epoch.get(job.job_id), role.epoch):
+        failed_epoch, failures = self._failed_epoch.get(job.job_id, (None, 0))
+        if role.on_agreed_plan and not rerun_allowed(
+            failed_epoch, role.epoch, failures=failures, retries_per_plan=self.config.retries_per_plan
+        ):
             return None
         await self._run(job, owner, role, progress)
         return role
@@ -364,7 +375,9 @@ class JobSupervisor:
             self.suspects.report_suspect(lost, f"stage {role.stage_index}: {exc}"[:200])
         if role.on_agreed_plan:
             # e.g. a pipeline partner died: the swarm re-plans without it, and we run again there
-            self._failed_epoch[job.job_id] = role.epoch
+            failed_epoch, failures = self._failed_epoch.get(job.job_id, (None, 0))
+            failures = failures + 1 if failed_epoch == role.epoch else 1
+            self._failed_epoch[job.job_id] = (role.epoch, failures)
             return
         # an explicit assignment cannot route around the fault: the job has ended (a peer restarted
         # with the same identity must not pick it back up)

@@ -250,21 +250,27 @@ def test_sources_prefer_our_copy_then_the_same_cluster_then_replicas_and_skip_th
     ]
 
 
-async def test_a_failure_on_the_agreed_plan_waits_for_the_next_plan_and_resumes_there():
+async def test_a_failure_on_the_agreed_plan_is_retried_a_little_then_waits_for_the_next_plan():
     dht, runners, plans = FakeDHT("me"), FakeRunners(), FakePlans()
     await publish(dht, JOB)
     plans.active_workload = "j"
     plans.active_plan = make_plan(1, [("me", 0, 3)])
-    sup, _ = supervisor(dht, runners, plans=plans)
+    sup, _ = supervisor(dht, runners, plans=plans)  # retries_per_plan=2 (the default)
     async with running(sup):
-        await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run 1")
-        runners.made[0].fail = RuntimeError("boom")
-        runners.made[0].finish.set()
-        await asyncio.sleep(0.15)  # several polls on the same plan: no retry there
-        assert len(runners.made) == 1
+        for attempt in range(3):  # the first run and two retries on plan 1
+            await wait_until(
+                lambda n=attempt: len(runners.made) > n and runners.made[n].started.is_set(), 5, message="run"
+            )
+            runners.made[attempt].fail = RuntimeError("neighbour on the old plan")
+            runners.made[attempt].finish.set()
+        await asyncio.sleep(0.2)  # ten more polls on the same plan: no fourth run
+        assert len(runners.made) == 3
+        # each retry resumes what the failed run held (same plan, same stage)
+        assert runners.made[1].initial_state is runners.made[0].held_state.state
         plans.active_plan = make_plan(2, [("me", 0, 3)])
-        await wait_until(lambda: len(runners.made) == 2, 5, message="run on the next plan")
-    assert runners.made[1].initial_state is runners.made[0].held_state.state
+        await wait_until(lambda: len(runners.made) == 4, 5, message="run on the next plan")
+    assert runners.made[3].role.epoch == 2
+    assert runners.made[3].initial_state is runners.made[2].held_state.state
     assert "j" not in sup.finished
 
 
