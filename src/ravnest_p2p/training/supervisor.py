@@ -409,6 +409,7 @@ class JobSupervisor:
         config's `drain_grace_s`), whichever comes first; the caller then closes the peer.
         """
         grace = self.config.drain_grace_s if grace_s is None else grace_s
+        was_running = not self._idle.is_set()
         self._draining.set()
         self._set_state(PeerState.DRAINING)
         loop = asyncio.get_running_loop()
@@ -416,6 +417,8 @@ class JobSupervisor:
         # the watch loop hands the stage over within a poll (the runner captures its state when cancelled)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - loop.time()))
+        if not was_running:
+            return  # nothing of ours is in a pipeline now: nobody waits for our state
         start_epoch = self.role.epoch if self.role is not None else None
         while loop.time() < deadline:
             plan = self.plans.active_plan if self.plans is not None else None

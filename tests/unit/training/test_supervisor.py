@@ -323,3 +323,17 @@ def test_sources_follow_the_freshest_cluster_so_a_stage_is_not_stitched_from_sta
     ]
     assert freshest_first({}, epoch=1, num_clusters=2, prefer=0) is None
     assert freshest_first({(1, 1): 5}, epoch=1, num_clusters=3, prefer=2) == [1, 2, 0]
+
+
+async def test_an_idle_peer_drains_at_once():
+    dht, runners, plans = FakeDHT("me"), FakeRunners(), FakePlans()
+    await publish(dht, ASSIGNED)
+    sup, states = supervisor(dht, runners, plans=plans)
+    async with running(sup):
+        await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run")
+        runners.made[0].finish.set()
+        await wait_until(lambda: "j" in sup.finished, 5, message="finished")
+        started = asyncio.get_running_loop().time()
+        await asyncio.wait_for(sup.drain(grace_s=30.0), 5)  # nothing to hand over: no grace spent
+        assert asyncio.get_running_loop().time() - started < 2.0
+    assert states[-1] == PeerState.DRAINING
