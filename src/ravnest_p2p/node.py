@@ -143,7 +143,7 @@ class Peer:
             state_source=HandoverStateSource(self.rpc),
             suspects=self.membership,
             serve_to=self._serve_state_to,
-            alive=lambda: set(self.directory.active()),
+            alive=lambda: set(self.directory.peers),  # draining peers still serve their state
             prepare=self._prepare,
             on_state=self._set_state,
         )

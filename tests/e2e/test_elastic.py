@@ -192,6 +192,7 @@ async def test_a_leaving_peer_hands_its_stage_over_and_exits_within_its_grace(tm
 
             leaver.popen.send_signal(signal.SIGTERM)  # the CLI's graceful leave
             asked_at = time.monotonic()
+            position_at_leave = logged_losses(survivors, _EVALUATED)[-1][0]
 
             async def training_again_on_a_new_plan() -> bool:
                 progress = await client.progress(job.job_id)
@@ -201,7 +202,6 @@ async def test_a_leaving_peer_hands_its_stage_over_and_exits_within_its_grace(tm
             resumed_after_s = time.monotonic() - asked_at
             exit_code = await asyncio.to_thread(leaver.popen.wait, 60)
             exited_after_s = time.monotonic() - asked_at
-            position_at_leave = logged_losses(survivors, _EVALUATED)[-1][0]
 
             def resumed_after_the_leave() -> list[tuple[int, float]]:
                 return [r for r in logged_losses(survivors, _RESUMED) if r[0] > position_at_leave // 2]
