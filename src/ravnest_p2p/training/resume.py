@@ -104,8 +104,9 @@ def state_sources(
         cluster_order: the previous plan's clusters, freshest state first (e.g. by how far each got:
             a cluster whose pipeline broke stopped early). Every layer then comes from the first
             cluster in this order whose holder is alive, so a stage is not stitched from replicas at
-            different points. None: the same cluster index as the role's first, then the others, with
-            this peer's own copy (no network) ahead of all.
+            different points. None: the same cluster index as the role's first, then the others by
+            index (this peer's own copy is not preferred: one consistent replica matters more than a
+            saved transfer).
 
     Returns:
         Segments covering [role.first_layer, role.end_layer) in order.
@@ -125,9 +126,6 @@ def state_sources(
             owner = _owner(previous[c], layer)
             if owner is not None and owner in live and owner not in candidates:
                 candidates.append(owner)
-        if cluster_order is None and role.peer_id in candidates:
-            candidates.remove(role.peer_id)  # our own copy first: no network, and it is what we trained
-            candidates.insert(0, role.peer_id)
         if segments and segments[-1].candidates == tuple(candidates):
             last = segments[-1]
             segments[-1] = Segment(last.first_layer, layer + 1, last.candidates)

@@ -83,6 +83,11 @@ class SupervisorConfig(BaseModel):
     read_timeout_s: float = Field(default=20.0, gt=0, description="one DHT read of the job or progress")
     drain_grace_s: float = Field(default=30.0, ge=0, description="a leaving peer serves its state this long")
     retries_per_plan: int = Field(default=2, ge=0, le=100, description="runs of a failed role on one plan")
+    retry_delay_s: float = Field(
+        default=3.0,
+        ge=0,
+        description="wait before retrying one plan (a dead neighbour's re-plan comes first)",
+    )
 
 
 class PlanSource(Protocol):
@@ -114,6 +119,10 @@ class StageRun(Protocol):
 
 RunnerFactory = Callable[[JobSpec, StageRole, "StageState | None"], StageRun]
 WorkloadFactory = Callable[[JobSpec], Awaitable[tuple[JobParams, list[LayerProfile]]]]
+
+
+async def _awaited(awaitable: Awaitable[Any]) -> Any:
+    return await awaitable
 
 
 def _lost_neighbour(exc: BaseException) -> str | None:
@@ -181,6 +190,7 @@ class JobSupervisor:
         self.last_origin: dict[str, str] = {}  # where the last run's state came from, by layer span
         self.runs: list[StageRole] = []  # every role this supervisor started, in order (tests, status)
         self._failed_epoch: dict[str, tuple[int, int]] = {}  # job -> (epoch it last failed on, failures)
+        self._failed_at = -1e18  # loop time of the last failure
         self._ran: set[tuple[str, int]] = set()  # (job, epoch) this process started
         self._held: dict[str, HeldState] = {}  # job -> the stage state this process holds
         self._previous: dict[str, StageRole] = {}  # job -> the role it last ran (its plan and epoch)
@@ -233,6 +243,9 @@ class JobSupervisor:
             failed_epoch, role.epoch, failures=failures, retries_per_plan=self.config.retries_per_plan
         ):
             return None
+        since_failure_s = asyncio.get_running_loop().time() - self._failed_at
+        if role.epoch == failed_epoch and since_failure_s < self.config.retry_delay_s:
+            return None  # a dead neighbour's re-plan usually comes within this delay: run there instead
         await self._run(job, owner, role, progress)
         return role
 
@@ -305,13 +318,16 @@ class JobSupervisor:
         self._set_state(PeerState.TRAINING)
         self._idle.clear()
         try:
-            if self.prepare is not None:
-                await self.prepare(role)
             previous = self._previous.get(job.job_id)
             if self.serve_to is not None and previous is not None and previous.epoch != role.epoch:
                 # the new owners pull from us (the old plan's peers may still ask too)
                 self.serve_to(job.job_id, previous.epoch, previous.plan_peers | role.plan_peers)
-            state = await self._starting_state(role, progress)
+            # learning addresses and pulling state may wait on a peer that died: not past a plan change
+            prepared = await self._unless_plan_moves(role, self._prepare_state(role, progress))
+            if prepared is None:
+                logger.info("job %s: the plan moved while stage %d prepared", job.job_id, role.stage_index)
+                return
+            (state,) = prepared
             placed = job.model_copy(update={"assignment": role.assignment})
             runner = self.runner = self.start_runner(placed, role, state)
             task = self._tasks.spawn(runner.run(), name=f"job-{job.job_id}-{role.epoch}")
@@ -325,6 +341,34 @@ class JobSupervisor:
         finally:
             self._idle.set()
             self._set_state(PeerState.READY if not self._draining.is_set() else PeerState.DRAINING)
+
+    async def _prepare_state(
+        self, role: StageRole, progress: ProgressView | None
+    ) -> tuple[StageState | None]:
+        if self.prepare is not None:
+            await self.prepare(role)
+        if progress is None and self._previous.get(role.job_id) is not None:
+            # which replica is freshest comes from the progress: one more read if the first failed
+            progress = await self._read(read_progress(self.dht, role.job_id, owner_peer_id=None))
+        return (await self._starting_state(role, progress),)
+
+    async def _unless_plan_moves(self, role: StageRole, coro: Awaitable[Any]) -> Any:
+        """Await `coro`, or cancel it and return None once the agreed plan moves past `role`'s."""
+        task = self._tasks.spawn(_awaited(coro), name=f"prepare-{role.job_id}-{role.epoch}")
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=self.config.poll_s)
+                plan = self.plans.active_plan if self.plans is not None else None
+                moved = role.on_agreed_plan and plan is not None and plan.epoch != role.epoch
+                if not task.done() and (moved or self._draining.is_set()):
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+                    return None
+            return task.result()
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
 
     async def _watch(
         self, job: JobSpec, owner: str, role: StageRole, runner: StageRun, task: asyncio.Task[Any]
@@ -378,6 +422,7 @@ class JobSupervisor:
             failed_epoch, failures = self._failed_epoch.get(job.job_id, (None, 0))
             failures = failures + 1 if failed_epoch == role.epoch else 1
             self._failed_epoch[job.job_id] = (role.epoch, failures)
+            self._failed_at = asyncio.get_running_loop().time()
             return
         # an explicit assignment cannot route around the fault: the job has ended (a peer restarted
         # with the same identity must not pick it back up)

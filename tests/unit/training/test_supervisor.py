@@ -66,7 +66,7 @@ async def publish(dht: FakeDHT, job: JobSpec) -> FakeDHT:
 def supervisor(dht: FakeDHT, runners: FakeRunners, *, plans: FakePlans | None = None, **kw: Any):
     states: list[PeerState] = []
     sup = JobSupervisor(
-        SupervisorConfig(poll_s=0.02, read_timeout_s=2.0, drain_grace_s=5.0),
+        SupervisorConfig(poll_s=0.02, read_timeout_s=2.0, drain_grace_s=5.0, retry_delay_s=0.05),
         peer_id=dht.signer,
         dht=dht,
         plans=plans,
@@ -337,3 +337,24 @@ async def test_an_idle_peer_drains_at_once():
         await asyncio.wait_for(sup.drain(grace_s=30.0), 5)  # nothing to hand over: no grace spent
         assert asyncio.get_running_loop().time() - started < 2.0
     assert states[-1] == PeerState.DRAINING
+
+
+async def test_a_preparation_stuck_on_a_dead_peer_is_abandoned_when_the_plan_moves():
+    dht, runners, plans = FakeDHT("me"), FakeRunners(), FakePlans()
+    await publish(dht, JOB)
+    plans.active_workload = "j"
+    plans.active_plan = make_plan(1, [("me", 0, 1), ("dead", 1, 3)])
+    prepared: list[int] = []
+
+    async def prepare(role: Any) -> None:
+        prepared.append(role.epoch)
+        if role.epoch == 1:
+            await asyncio.Event().wait()  # e.g. learning the addresses of a peer that died
+
+    sup, _ = supervisor(dht, runners, plans=plans, prepare=prepare)
+    async with running(sup):
+        await wait_until(lambda: prepared == [1], 5, message="preparing plan 1")
+        plans.active_plan = make_plan(2, [("me", 0, 3)])
+        await wait_until(lambda: len(runners.made) == 1, 5, message="a run on plan 2")
+    assert prepared == [1, 2]
+    assert runners.made[0].role.epoch == 2
