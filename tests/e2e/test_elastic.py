@@ -192,7 +192,7 @@ async def test_a_leaving_peer_hands_its_stage_over_and_exits_within_its_grace(tm
 
             leaver.popen.send_signal(signal.SIGTERM)  # the CLI's graceful leave
             asked_at = time.monotonic()
-            position_at_leave = logged_losses(survivors, _EVALUATED)[-1][0]
+            position_at_leave, loss_at_leave = logged_losses(survivors, _EVALUATED)[-1]
 
             async def training_again_on_a_new_plan() -> bool:
                 progress = await client.progress(job.job_id)
@@ -213,7 +213,8 @@ async def test_a_leaving_peer_hands_its_stage_over_and_exits_within_its_grace(tm
             resumed = resumed_after_the_leave()
             print(
                 f"SIGTERM -> training on the new plan: {resumed_after_s:.1f}s, the leaver exited after "
-                f"{exited_after_s:.1f}s (code {exit_code}); resumed at {resumed}"
+                f"{exited_after_s:.1f}s (code {exit_code}); held-out loss at the signal {loss_at_leave:.4f} "
+                f"(micro-batch {position_at_leave}), resumed at {resumed}"
             )
             log = leaver.log()
             await client.stop_job(job.job_id)

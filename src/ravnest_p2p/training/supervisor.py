@@ -464,16 +464,23 @@ class JobSupervisor:
             await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - loop.time()))
         if not was_running:
             return  # nothing of ours is in a pipeline now: nobody waits for our state
-        start_epoch = self.role.epoch if self.role is not None else None
+        role = self.role
+        if role is None or not role.on_agreed_plan:
+            return
         while loop.time() < deadline:
             plan = self.plans.active_plan if self.plans is not None else None
-            if plan is None or start_epoch is None or self.role is None or not self.role.on_agreed_plan:
+            if plan is None:
                 return
-            if plan.epoch != start_epoch and self.peer_id not in {
+            if plan.epoch != role.epoch and self.peer_id not in {
                 p for c in plan.clusters for p in c.peer_ids
             }:
                 return
-            await asyncio.sleep(min(0.5, self.config.poll_s))  # polls the plan, bounded by the grace
+            # a leaving peer's own membership may never activate the plan that leaves it out: the job's
+            # progress tells when the new plan's pipelines train (they pulled their state before)
+            progress = await self._read(read_progress(self.dht, role.job_id, owner_peer_id=None))
+            if progress is not None and progress.epoch > role.epoch and progress.started_epoch:
+                return
+            await asyncio.sleep(min(0.5, self.config.poll_s))  # polls, bounded by the grace
 
     async def aclose(self) -> None:
         self._draining.set()

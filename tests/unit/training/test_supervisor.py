@@ -358,3 +358,23 @@ async def test_a_preparation_stuck_on_a_dead_peer_is_abandoned_when_the_plan_mov
         await wait_until(lambda: len(runners.made) == 1, 5, message="a run on plan 2")
     assert prepared == [1, 2]
     assert runners.made[0].role.epoch == 2
+
+
+async def test_drain_ends_when_the_job_trains_on_a_plan_our_own_membership_never_activated():
+    dht, runners, plans = FakeDHT("me"), FakeRunners(), FakePlans()
+    await publish(dht, JOB)
+    plans.active_workload = "j"
+    plans.active_plan = make_plan(1, [("me", 0, 1), ("b", 1, 3)])
+    sup, _ = supervisor(dht, runners, plans=plans)
+    async with running(sup):
+        await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run")
+        drain = asyncio.create_task(sup.drain(grace_s=10.0))
+        await wait_until(lambda: runners.made[0].cancelled, 5, message="handed over")
+        await asyncio.sleep(0.1)
+        assert not drain.done()  # our plan (epoch 1) still names us
+        # the others train on epoch 2 (they pulled our state first): nothing more to serve
+        await publish_progress(
+            dht.as_signer("b"),
+            JobProgress(job_id="j", peer_id="b", epoch=2, cluster=0, epoch_start=40, micro_batches=44),
+        )
+        await asyncio.wait_for(drain, 5)
