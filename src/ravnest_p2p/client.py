@@ -8,19 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 
 from ravnest_p2p.discovery import OWNERS_KEY, OwnersRecord, PeerDirectory, PeerRecord, RunDHT, dht_time
 from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.membership import DhtPlanBoard
-from ravnest_p2p.training.job import JobSpec
-from ravnest_p2p.training.jobs import JOB_KEY, read_job_signed
+from ravnest_p2p.training.checkpoint import load_checkpoint
+from ravnest_p2p.training.handover import HandoverServer, StaticSource
+from ravnest_p2p.training.job import InitCheckpoint, JobSpec
+from ravnest_p2p.training.jobs import JOB_KEY, read_job, read_job_signed
 from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics, member_metrics, plan_members
+from ravnest_p2p.training.model_checkpoint import assemble_checkpoint
 from ravnest_p2p.training.placement import plan_assignment
 from ravnest_p2p.training.progress import JobProgress, ProgressView, publish_progress, read_progress
 from ravnest_p2p.training.run_keys import run_keys
+from ravnest_p2p.training.stage_state import entries_digest
+from ravnest_p2p.transport import RpcEndpoint
+from ravnest_p2p.utils import run_in_compute_thread
 
 __all__ = ["RunClient", "current_plan_done", "newest_epoch"]
 
@@ -129,7 +135,8 @@ class RunClient:
 
     @property
     def peer_id(self) -> str:
-        """This client's peer id: the owner id to give peers (``--run-owner``) for runs it owns."""
+        """This client's peer id: the owner id to give peers (``--run-owner``) for runs it owns, and the
+        id to list in `JobSpec.state_readers` to fetch checkpoints."""
         peer_id = self.dht.peer_id
         assert peer_id is not None  # a client always has its own transport
         return peer_id
@@ -263,6 +270,57 @@ class RunClient:
             if loop.time() > deadline:
                 raise TimeoutError(f"job {job.job_id} not done after {timeout_s:.0f}s")
             await asyncio.sleep(poll_s)
+
+    async def checkpoint(
+        self, path: str | Path, job: JobSpec | None = None, *, timeout_s: float = 300.0
+    ) -> Path:
+        """Assemble the job's full model state from its stage owners into `path` (safetensors + JSON).
+
+        The job (default: the run's current one) must be done and list this client's `peer_id` in
+        `state_readers`. Every tensor is checked against the digests the owners published, and the names,
+        dtypes and shapes against the model; see `training.model_checkpoint`. Returns the manifest path.
+        """
+        job = job or await read_job(self.dht)
+        if job is None:
+            raise RavnestError("no job in the run")
+        rpc = self._state_endpoint()
+        metrics = await self.metrics(job_id=job.job_id)
+        await assemble_checkpoint(rpc, job, metrics, Path(path), timeout_s=timeout_s)
+        return Path(path).with_suffix(".json")
+
+    def _state_endpoint(self) -> RpcEndpoint:
+        rpc: RpcEndpoint | None = getattr(self, "_rpc_endpoint", None)
+        if rpc is None:
+            assert self.dht.transport is not None
+            rpc = self._rpc_endpoint = RpcEndpoint(self.dht.transport, self.dht.run_id)
+        return rpc
+
+    async def serve_checkpoint(
+        self, path: str | Path, *, mode: str = "weights", allowed: Iterable[str] | None = None
+    ) -> InitCheckpoint:
+        """Serve a verified model checkpoint to the run's peers; returns the `JobSpec.init_checkpoint`.
+
+        Peers reach this client-mode peer over the connections it dialled (it dials every peer it lists).
+        Serving lasts while the client is open; the whole checkpoint is held in memory meanwhile.
+
+        Args:
+            path: the checkpoint (``.safetensors`` or its ``.json`` manifest), e.g. from `checkpoint`.
+            mode: ``weights`` (fine-tune: fresh optimizer and schedule) or ``resume``.
+            allowed: peers that may fetch it (default: the run's peers listed now).
+        """
+        manifest, state = await run_in_compute_thread(load_checkpoint, Path(path))
+        peers = allowed if allowed is not None else [r.peer_id for r in await self.peers()]
+        digest = entries_digest(manifest.tensors.values())
+        source_id = f"init-{digest[:16]}"
+        server = HandoverServer.of(self._state_endpoint())
+        await server.start()
+        server.publish(source_id, StaticSource(state, version=digest), epoch=0, allowed=peers)
+        return InitCheckpoint(
+            peer_id=self.peer_id,
+            source_id=source_id,
+            state_digest=digest,
+            mode="resume" if mode == "resume" else "weights",
+        )
 
     async def aclose(self) -> None:
         await self.dht.aclose()

@@ -19,6 +19,9 @@ finds the newest step whose ranges cover the whole model. Steps only line up acr
 ``every_steps`` (each stage saves when its own optimizer step count is a multiple of it); ``every_s``
 checkpoints serve a single stage's recovery.
 
+Modules: ``checkpoint_files`` (the safetensors I/O), ``checkpoint_announce`` (announcements; re-exported
+here), ``checkpoint_fetch`` (fetching checkpoints from the peers that wrote them).
+
 Limits: the stage's work waits while its checkpoint is written (the tensors are written live, without
 a copy); the global RNG is not saved.
 """
@@ -30,16 +33,32 @@ import hashlib
 import json
 import logging
 import os
-import struct
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from safetensors import safe_open
 from torch import Tensor
 
+from ravnest_p2p.training.checkpoint_announce import (
+    CHECKPOINTS_KEY,
+    CheckpointAnnouncement,
+    CheckpointRecord,
+    announce_checkpoints,
+    newest_complete,
+    newest_covering,
+    parse_announcement,
+    read_announcements,
+)
+from ravnest_p2p.training.checkpoint_files import (
+    CheckpointError,
+    atomic_json,
+    read_safetensors,
+    write_safetensors,
+)
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.stage_state import (
     StageState,
@@ -48,48 +67,33 @@ from ravnest_p2p.training.stage_state import (
     dtype_name,
     tensor_digest,
 )
-from ravnest_p2p.types import WireModel
 
 __all__ = [
     "CHECKPOINTS_KEY",
     "CheckpointAnnouncement",
     "CheckpointConfig",
     "CheckpointError",
+    "CheckpointFileSource",
     "CheckpointManifest",
     "CheckpointRecord",
     "CheckpointWriter",
     "announce_checkpoints",
+    "checkpoint_manifest_path",
     "job_digest",
     "list_checkpoints",
     "load_checkpoint",
     "newest_complete",
+    "newest_covering",
+    "parse_announcement",
     "read_announcements",
     "read_manifest",
     "write_checkpoint",
+    "write_checkpoint_file",
 ]
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINTS_KEY = "checkpoints"
 _MAX_MANIFEST_BYTES = 32 << 20
-_MAX_HEADER_BYTES = 100 << 20
-_SAFETENSORS_DTYPES = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "bool": "BOOL",
-}
-_FROM_SAFETENSORS = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, malformed, or does not match its manifest (nothing was loaded)."""
 
 
 class CheckpointConfig(BaseModel):
@@ -143,109 +147,6 @@ class CheckpointManifest(BaseModel):
         return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-# ----- safetensors, written and read one tensor at a time --------------------------------------------
-def _bytes_of(tensor: Tensor) -> memoryview:
-    data = tensor.detach().to("cpu").contiguous().reshape(-1)
-    if data.dtype == torch.bfloat16:
-        data = data.view(torch.int16)
-    return memoryview(data.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
-
-
-def _write_safetensors(
-    path: Path, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]
-) -> tuple[int, str]:
-    """Write `tensors` (in name order) to `path`; returns (bytes, sha256). No copy of the whole state."""
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
-    offset = 0
-    names = sorted(tensors)
-    for name in names:
-        tensor = tensors[name]
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype_name(tensor.dtype)],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    packed = json.dumps(header, separators=(",", ":")).encode()
-    packed += b" " * (-len(packed) % 8)
-    sha = hashlib.sha256()
-    total = 0
-    with open(path, "wb") as f:
-        for head in (struct.pack("<Q", len(packed)), packed):
-            f.write(head)
-            sha.update(head)
-            total += len(head)
-        for name in names:  # one tensor at a time, from its own memory
-            data = _bytes_of(tensors[name])
-            f.write(data)
-            sha.update(data)
-            total += len(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return total, sha.hexdigest()
-
-
-def _read_safetensors(path: Path, manifest: CheckpointManifest) -> dict[str, Tensor]:
-    """Read a safetensors file whose header must list exactly the manifest's tensors."""
-    size = path.stat().st_size
-    if size != manifest.file_bytes:
-        raise CheckpointError(f"{path.name}: {size} bytes, the manifest says {manifest.file_bytes}")
-    out: dict[str, Tensor] = {}
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        raw_len = f.read(8)
-        (header_len,) = struct.unpack("<Q", raw_len)
-        if header_len > min(_MAX_HEADER_BYTES, size - 8):
-            raise CheckpointError(f"{path.name}: header length {header_len} out of range")
-        raw_header = f.read(header_len)
-        sha.update(raw_len)
-        sha.update(raw_header)
-        try:
-            header = json.loads(raw_header)
-        except ValueError as exc:
-            raise CheckpointError(f"{path.name}: header is not JSON: {exc}") from None
-        if not isinstance(header, dict):
-            raise CheckpointError(f"{path.name}: header is not a map")
-        header.pop("__metadata__", None)
-        if set(header) != set(manifest.tensors):
-            raise CheckpointError(f"{path.name}: tensors differ from the manifest's")
-        offset = 0
-        for name, info in sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", [0])[0]):
-            entry = manifest.tensors[name]
-            if (
-                not isinstance(info, dict)
-                or _FROM_SAFETENSORS.get(info.get("dtype", "")) != entry.dtype
-                or tuple(info.get("shape", ())) != entry.shape
-                or info.get("data_offsets") != [offset, offset + entry.nbytes]
-            ):
-                raise CheckpointError(f"{path.name}: {name} is not laid out as the manifest says")
-            data = bytearray(entry.nbytes)
-            if f.readinto(data) != entry.nbytes:
-                raise CheckpointError(f"{path.name}: truncated at {name}")
-            sha.update(data)
-            offset += entry.nbytes
-            dtype = getattr(torch, entry.dtype)
-            storage = torch.int16 if dtype == torch.bfloat16 else dtype
-            tensor = torch.frombuffer(data, dtype=storage) if data else torch.empty(0, dtype=storage)
-            tensor = tensor.view(dtype) if storage != dtype else tensor
-            out[name] = tensor.reshape(entry.shape)
-        if f.read(1):
-            raise CheckpointError(f"{path.name}: bytes after the last tensor")
-    if sha.hexdigest() != manifest.file_sha256:
-        raise CheckpointError(f"{path.name}: sha256 differs from the manifest's")
-    return out
-
-
-def _atomic_json(path: Path, value: Mapping[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(value, f, sort_keys=True, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_checkpoint(
     directory: Path,
     tensors: Mapping[str, Tensor],
@@ -263,12 +164,40 @@ def write_checkpoint(
 
     `digests` (e.g. the ones a transfer already checked) skip hashing; they are trusted as given.
     """
+    return write_checkpoint_file(
+        directory / f"step-{step:010d}.safetensors",
+        tensors,
+        job=job,
+        step=step,
+        first_layer=first_layer,
+        end_layer=end_layer,
+        meta=meta,
+        progress=progress,
+        kind=kind,
+        digests=digests,
+    )
+
+
+def write_checkpoint_file(
+    data_path: Path,
+    tensors: Mapping[str, Tensor],
+    *,
+    job: JobSpec,
+    step: int,
+    first_layer: int,
+    end_layer: int,
+    meta: StateMeta | None = None,
+    progress: Mapping[str, int | float | str] | None = None,
+    kind: str = "stage",
+    digests: Mapping[str, str] | None = None,
+) -> Path:
+    """`write_checkpoint` to a given ``<name>.safetensors`` (manifest: ``<name>.json``); the manifest path."""
+    directory = data_path.parent
     directory.mkdir(parents=True, exist_ok=True)
-    stem = f"step-{step:010d}"
-    data_path, manifest_path = directory / f"{stem}.safetensors", directory / f"{stem}.json"
-    tmp = directory / f".{stem}.safetensors.tmp-{os.getpid()}"
+    manifest_path = data_path.with_suffix(".json")
+    tmp = directory / f".{data_path.name}.tmp-{os.getpid()}"
     try:
-        file_bytes, file_sha = _write_safetensors(tmp, tensors, {"job_id": job.job_id, "step": str(step)})
+        file_bytes, file_sha = write_safetensors(tmp, tensors, {"job_id": job.job_id, "step": str(step)})
         os.replace(tmp, data_path)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -298,7 +227,7 @@ def write_checkpoint(
         tensors=entries,
         created_at=time.time(),
     )
-    _atomic_json(manifest_path, manifest.model_dump(mode="json"))
+    atomic_json(manifest_path, manifest.model_dump(mode="json"))
     with contextlib.suppress(OSError):
         dir_fd = os.open(directory, os.O_RDONLY)
         try:
@@ -321,23 +250,33 @@ def read_manifest(path: Path) -> CheckpointManifest:
         raise CheckpointError(f"{path}: not a checkpoint manifest: {exc}") from None
 
 
-def load_checkpoint(path: Path, *, job: JobSpec | None = None) -> tuple[CheckpointManifest, StageState]:
+def load_checkpoint(
+    path: Path, *, job: JobSpec | None = None, manifest_digest: str | None = None
+) -> tuple[CheckpointManifest, StageState]:
     """Load and verify a checkpoint given its manifest (``.json``) or data (``.safetensors``) path.
 
-    Checks: the manifest parses; the data file's size and sha256; every tensor's name, dtype, shape
-    (against the manifest) and digest; finite values; with `job`, the JobSpec digest.
+    Checks: the manifest parses (and, given `manifest_digest`, e.g. from an announcement, is that one);
+    the data file's size and sha256; every tensor's name, dtype, shape (against the manifest) and
+    digest; finite values; with `job`, the JobSpec digest. Files are read one tensor at a time.
 
     Raises:
         CheckpointError: any mismatch (nothing is returned).
     """
     manifest_path = path.with_suffix(".json")
     manifest = read_manifest(manifest_path)
+    if manifest_digest is not None and manifest.digest() != manifest_digest:
+        raise CheckpointError(f"{manifest_path.name} is not the announced manifest")
     if job is not None and manifest.job_digest != job_digest(job):
         raise CheckpointError(f"{manifest_path.name} was written by another job spec")
     if Path(manifest.file).name != manifest.file:
         raise CheckpointError(f"{manifest_path.name}: data file {manifest.file!r} is not a plain name")
     try:
-        tensors = _read_safetensors(manifest_path.parent / manifest.file, manifest)
+        tensors = read_safetensors(
+            manifest_path.parent / manifest.file,
+            manifest.tensors,
+            file_bytes=manifest.file_bytes,
+            file_sha256=manifest.file_sha256,
+        )
     except OSError as exc:
         raise CheckpointError(f"{manifest.file}: {exc}") from None
     digests = {}
@@ -349,6 +288,61 @@ def load_checkpoint(path: Path, *, job: JobSpec | None = None) -> tuple[Checkpoi
             raise CheckpointError(f"{name} has non-finite values")
         digests[name] = digest
     return manifest, StageState(tensors=tensors, digests=digests, meta=manifest.meta)
+
+
+class _LazyTensors(Mapping[str, Tensor]):
+    """A checkpoint's tensors, each read from the file when asked for (nothing held)."""
+
+    def __init__(self, manifest: CheckpointManifest, data_path: Path) -> None:
+        self._manifest = manifest
+        self._data_path = data_path
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self._manifest.tensors:
+            raise KeyError(name)
+        with safe_open(str(self._data_path), framework="pt") as f:
+            tensor: Tensor = f.get_tensor(name)
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._manifest.tensors)
+
+    def __len__(self) -> int:
+        return len(self._manifest.tensors)
+
+
+class CheckpointFileSource:
+    """A checkpoint on this peer's disk as a `handover.StateSource`: tensors read one at a time.
+
+    Its listing gives the manifest's digests (so a receiver checks the file's bytes against what was
+    written, not against a hash of possibly damaged bytes), its version is the manifest's digest.
+    """
+
+    def __init__(self, manifest_path: Path) -> None:
+        self.manifest = read_manifest(manifest_path)
+        if Path(self.manifest.file).name != self.manifest.file:
+            raise CheckpointError(
+                f"{manifest_path.name}: data file {self.manifest.file!r} is not a plain name"
+            )
+        self._tensors = _LazyTensors(self.manifest, manifest_path.parent / self.manifest.file)
+        self._version = self.manifest.digest()
+
+    def tensors(self) -> Mapping[str, Tensor]:
+        return self._tensors
+
+    def entries(self) -> Mapping[str, TensorEntry]:
+        return self.manifest.tensors
+
+    def meta(self) -> StateMeta | None:
+        return self.manifest.meta
+
+    def version(self) -> str:
+        return self._version
+
+
+def checkpoint_manifest_path(root: Path, job_id: str, *, step: int, first_layer: int, end_layer: int) -> Path:
+    """Where a stage checkpoint's manifest lives under a `CheckpointConfig.dir`."""
+    return root / job_id / f"layers-{first_layer}-{end_layer}" / f"step-{step:010d}.json"
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
@@ -372,7 +366,9 @@ class CheckpointWriter:
         self.job = job
         self.first_layer = first_layer
         self.end_layer = end_layer
-        self.directory = config.dir / job.job_id / f"layers-{first_layer}-{end_layer}"
+        self.directory = checkpoint_manifest_path(
+            config.dir, job.job_id, step=0, first_layer=first_layer, end_layer=end_layer
+        ).parent
         self._last_save = time.monotonic()
         self._last_step: int | None = None
 
@@ -410,104 +406,3 @@ class CheckpointWriter:
 
     def saved(self) -> list[CheckpointManifest]:
         return [read_manifest(p) for p in list_checkpoints(self.directory)]
-
-
-# ----- announcements ------------------------------------------------------------------------------------
-class CheckpointRecord(WireModel):
-    step: int = Field(ge=0)
-    first_layer: int = Field(ge=0)
-    end_layer: int = Field(ge=1)
-    manifest_digest: str = Field(min_length=1, max_length=64)
-
-
-class CheckpointAnnouncement(WireModel):
-    """A stage owner's checkpoints of a job, under its own signed subkey of ``checkpoints``."""
-
-    schema_version: int = 1
-    job_id: str = Field(max_length=64)
-    job_digest: str = Field(max_length=64)
-    peer_id: str = Field(max_length=128)
-    checkpoints: tuple[CheckpointRecord, ...] = Field(default=(), max_length=64)
-    updated_at: float = 0.0
-
-    @classmethod
-    def of(
-        cls, manifests: Iterable[CheckpointManifest], *, peer_id: str, updated_at: float
-    ) -> CheckpointAnnouncement:
-        listed = list(manifests)
-        assert listed, "announce at least one checkpoint"
-        return cls(
-            job_id=listed[0].job_id,
-            job_digest=listed[0].job_digest,
-            peer_id=peer_id,
-            checkpoints=tuple(
-                CheckpointRecord(
-                    step=m.step, first_layer=m.first_layer, end_layer=m.end_layer, manifest_digest=m.digest()
-                )
-                for m in listed[-64:]
-            ),
-            updated_at=updated_at,
-        )
-
-
-def newest_complete(
-    announcements: Sequence[CheckpointAnnouncement],
-    *,
-    job_id: str,
-    num_layers: int,
-    job_digest: str | None = None,
-) -> tuple[int, list[tuple[str, CheckpointRecord]]] | None:
-    """The newest step whose checkpoints cover layers [0, num_layers), and who holds them.
-
-    Returns (step, [(peer id, record), ...]) with records chosen to cover the model (first by layer,
-    the widest range first), or None when no step is complete. Pure.
-    """
-    by_step: dict[int, list[tuple[str, CheckpointRecord]]] = {}
-    for announcement in announcements:
-        if announcement.job_id != job_id or (
-            job_digest is not None and announcement.job_digest != job_digest
-        ):
-            continue
-        for record in announcement.checkpoints:
-            if record.end_layer > record.first_layer:
-                by_step.setdefault(record.step, []).append((announcement.peer_id, record))
-    for step in sorted(by_step, reverse=True):
-        chosen: list[tuple[str, CheckpointRecord]] = []
-        covered = 0
-        while covered < num_layers:
-            candidates = [h for h in by_step[step] if h[1].first_layer <= covered < h[1].end_layer]
-            if not candidates:
-                break
-            best = max(candidates, key=lambda h: (h[1].end_layer, h[0]))
-            chosen.append(best)
-            covered = best[1].end_layer
-        if covered >= num_layers:
-            return step, chosen
-    return None
-
-
-class _SignedStore(Protocol):
-    async def store_own(self, name: str, value: Any, *, ttl_s: float) -> bool: ...
-
-    async def get_signed(self, name: str) -> dict[str, tuple[Any, float]]: ...
-
-
-async def announce_checkpoints(
-    dht: _SignedStore, announcement: CheckpointAnnouncement, *, ttl_s: float = 3600.0
-) -> bool:
-    """Store `announcement` under our own signed subkey of ``checkpoints``; True if a replica took it."""
-    return await dht.store_own(CHECKPOINTS_KEY, announcement.model_dump(mode="json"), ttl_s=ttl_s)
-
-
-async def read_announcements(dht: _SignedStore, *, job_id: str | None = None) -> list[CheckpointAnnouncement]:
-    """Valid announcements (of `job_id`), each signed by the peer it names; malformed ones are dropped."""
-    out = []
-    for signer, (value, _) in (await dht.get_signed(CHECKPOINTS_KEY)).items():
-        try:
-            announcement = CheckpointAnnouncement.model_validate(value)
-        except Exception as exc:
-            logger.debug("ignoring a malformed checkpoint announcement from %s: %s", signer, exc)
-            continue
-        if announcement.peer_id == signer and (job_id is None or announcement.job_id == job_id):
-            out.append(announcement)
-    return out

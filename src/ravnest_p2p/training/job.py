@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.transport.codec import Compression
 
-__all__ = ["DatasetName", "JobSpec", "StagePlacement"]
+__all__ = ["DatasetName", "InitCheckpoint", "JobSpec", "StagePlacement"]
 
 DatasetName = Literal["digits", "char_corpus", "synthetic_classification", "synthetic_regression"]
 
@@ -37,6 +37,24 @@ class StagePlacement(_Config):
         if self.end_layer <= self.first_layer:
             raise ValueError("a stage needs at least one layer")
         return self
+
+
+class InitCheckpoint(_Config):
+    """Start a job from a model checkpoint a peer serves (e.g. `RunClient.serve_checkpoint`).
+
+    Attributes:
+        peer_id: who serves it (its `fetch_state`).
+        source_id: the id it is served under (a `fetch_state` job id).
+        state_digest: `stage_state.entries_digest` of every tensor in it: stages trust the per-tensor
+            digests the server lists only when they hash to this.
+        mode: ``weights`` (parameters and buffers; fresh optimizer and schedule: fine-tuning) or
+            ``resume`` (also optimizer state and step counters).
+    """
+
+    peer_id: str = Field(min_length=1, max_length=128)
+    source_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    state_digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    mode: Literal["weights", "resume"] = "weights"
 
 
 class JobSpec(_Config):
@@ -69,6 +87,7 @@ class JobSpec(_Config):
             docs/checkpoints.md; written where the peer keeps them, nowhere if it keeps none).
         state_readers: peers besides the job's own that may fetch its stage state (e.g. the
             researcher's client, for `RunClient.checkpoint`).
+        init_checkpoint: start from this checkpoint instead of the initial weights (docs/checkpoints.md).
     """
 
     schema_version: int = 1
@@ -100,6 +119,7 @@ class JobSpec(_Config):
     checkpoint_every_s: float = Field(default=0.0, ge=0, le=30 * 86_400)
     checkpoint_keep_last: int = Field(default=3, ge=1, le=1000)
     state_readers: tuple[str, ...] = Field(default=(), max_length=64)
+    init_checkpoint: InitCheckpoint | None = None
 
     @model_validator(mode="after")
     def _contiguous(self) -> JobSpec:

@@ -27,13 +27,34 @@ from ravnest_p2p.training.checkpoint import (
     CheckpointWriter,
     announce_checkpoints,
 )
-from ravnest_p2p.training.handover import ExecutorSource, HandoverServer
+from ravnest_p2p.training.handover import (
+    ExecutorSource,
+    HandoverError,
+    HandoverServer,
+    fetch_state,
+    list_state,
+)
 from ravnest_p2p.training.job import JobSpec
-from ravnest_p2p.training.stage_state import capture_meta, live_tensors
+from ravnest_p2p.training.stage_state import (
+    OPTIM_PREFIX,
+    StageState,
+    capture_meta,
+    entries_digest,
+    expected_entries,
+    live_tensors,
+    names_in_layers,
+    restore_state,
+)
 from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import TaskOwner, run_in_compute_thread
 
-__all__ = ["CHECKPOINT_DIR_ENV", "StageStateHook", "attach_stage_state", "checkpoint_config_for"]
+__all__ = [
+    "CHECKPOINT_DIR_ENV",
+    "StageStateHook",
+    "attach_stage_state",
+    "checkpoint_config_for",
+    "init_from_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +118,8 @@ class StageStateHook:
             epoch=self.epoch,
             allowed=self.allowed,
         )
+        if self.writer is not None:  # its checkpoints too, for owners after a restart (checkpoint_fetch)
+            server.serve_checkpoints(self.job.job_id, self.writer.config.dir, allowed=self.allowed)
 
     async def on_step(self, step: int) -> None:
         """After an optimizer step (the stage's work waits): write a checkpoint if one is due."""
@@ -127,6 +150,48 @@ class StageStateHook:
                 await announce_checkpoints(self.dht, announcement, ttl_s=_ANNOUNCE_TTL_S)
         except Exception as exc:
             logger.info("checkpoint announcement failed: %r", exc)
+
+
+async def init_from_checkpoint(
+    rpc: RpcEndpoint, job: JobSpec, executor: StageExecutor, *, timeout_s: float = 300.0
+) -> int:
+    """Load the stage's layers of `job.init_checkpoint` from the peer serving it; returns tensors loaded.
+
+    The server's listing of the whole checkpoint must hash to the job's ``state_digest`` (so its
+    per-tensor digests can be trusted), then the stage's names are fetched against those digests and
+    against the stage's own schema, and restored all or nothing.
+
+    Raises:
+        HandoverError: the checkpoint cannot be fetched or does not verify (the stage is unchanged).
+    """
+    init = job.init_checkpoint
+    assert init is not None
+    listing = await list_state(rpc, init.peer_id, init.source_id, layers=(0, 1 << 30), timeout_s=timeout_s)
+    if entries_digest(listing.entries) != init.state_digest:
+        raise HandoverError(f"the checkpoint {init.peer_id} serves is not the one job {job.job_id} names")
+    first = executor.config.first_layer_index
+    digests = {e.name: e.digest for e in listing.entries}
+    names = names_in_layers(digests, first, first + len(executor.module))
+    if init.mode == "weights":
+        names = [n for n in names if not n.startswith(OPTIM_PREFIX)]
+    state = await fetch_state(
+        rpc,
+        init.peer_id,
+        init.source_id,
+        names,
+        {n: digests[n] for n in names},
+        epoch=listing.epoch,
+        expected=expected_entries(executor),
+        timeout_s=timeout_s,
+    )
+    if init.mode == "weights":
+        state = StageState(tensors=state.tensors, digests=state.digests, meta=None)
+    try:
+        restore_state(executor, state, complete=init.mode == "resume")
+    except ValueError as exc:
+        raise HandoverError(f"checkpoint does not fit stage [{first}, ...): {exc}") from None
+    logger.info("stage [%d, ...) starts from checkpoint %s (%s)", first, init.state_digest[:12], init.mode)
+    return len(state.tensors)
 
 
 def _scalars(values: Mapping[str, Any]) -> dict[str, int | float | str]:
@@ -170,6 +235,8 @@ async def attach_stage_state(runner: Any, service: StageService) -> StageStateHo
         checkpoint=checkpoint_config_for(job, getattr(runner, "checkpoint_dir", None)),
         progress=progress,
     )
+    if job.init_checkpoint is not None and executor.weight_version == 0:  # nothing restored it yet
+        await init_from_checkpoint(runner.rpc, job, executor)
     await hook.start()
     previous: Callable[[int], Awaitable[None]] | None = service.on_step
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -50,6 +51,7 @@ __all__ = [
     "capture_state",
     "check_state",
     "dtype_name",
+    "entries_digest",
     "expected_entries",
     "layer_of",
     "live_tensors",
@@ -222,6 +224,12 @@ class StageState:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def entries_digest(entries: Iterable[TensorEntry]) -> str:
+    """sha256 over every (name, dtype, shape, digest), sorted by name: one digest for a whole state."""
+    rows = sorted((e.name, e.dtype, list(e.shape), e.digest) for e in entries)
+    return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
 
 
 def _slots(executor: StageExecutor) -> tuple[str, ...]:

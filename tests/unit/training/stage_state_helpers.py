@@ -18,14 +18,14 @@ SGD = OptimizerConfig(name="sgd", lr=5e-2, momentum=0.9)
 
 def resnet_job(optimizer: OptimizerConfig = ADAM, **overrides: object) -> JobSpec:
     """A tiny ResNet (BatchNorm buffers, 5 layers) on 8x8 inputs."""
-    return JobSpec(
-        job_id="state",
-        model="resnet_small",
-        model_params={"image_size": 8, "width": 4, "in_channels": 1},
-        optimizer=optimizer,
-        seed=3,
-        **overrides,  # type: ignore[arg-type]
-    )
+    fields: dict[str, object] = {
+        "job_id": "state",
+        "model": "resnet_small",
+        "model_params": {"image_size": 8, "width": 4, "in_channels": 1},
+        "optimizer": optimizer,
+        "seed": 3,
+    }
+    return JobSpec.model_validate({**fields, **overrides})
 
 
 def build_split(job: JobSpec, split: Sequence[tuple[int, int]]) -> list[StageExecutor]:

@@ -166,3 +166,59 @@ async def test_the_stage_hook_writes_announces_and_serves(tmp_path):
     assert [c.step for c in announcement.checkpoints] == [2, 4]
     _, loaded = load_checkpoint(list_checkpoints(hook.writer.directory)[-1], job=job)
     assert_bit_equal(loaded.tensors, union_state([stage]))
+
+
+async def test_a_new_owner_pulls_the_newest_covering_checkpoint_from_the_peers_that_wrote_it(tmp_path):
+    from ravnest_p2p.training.checkpoint import CheckpointAnnouncement as Announcement
+    from ravnest_p2p.training.checkpoint_fetch import fetch_from_checkpoints
+    from ravnest_p2p.training.handover import HandoverError, HandoverServer
+    from ravnest_p2p.training.stage_state import expected_entries, merge_states
+
+    job = resnet_job()
+    old = build_split(job, [(0, 2), (2, 5)])
+    for step in (1, 2):
+        train_step(old, step)
+    network = FakeNetwork()
+    announcements = []
+    for index, stage in enumerate(old):
+        peer = f"owner{index}"
+        first, end = stage.config.first_layer_index, stage.config.first_layer_index + len(stage.module)
+        writer = CheckpointWriter(
+            CheckpointConfig(every_steps=1, dir=tmp_path / peer), job, first_layer=first, end_layer=end
+        )
+        writer.save(capture_state(stage), step=7)
+        server = HandoverServer.of(RpcEndpoint(network.create(peer), "run"))
+        await server.start()
+        server.serve_checkpoints(job.job_id, tmp_path / peer, allowed={"new"})
+        announcements.append(Announcement.of(writer.saved(), peer_id=peer, updated_at=0.0))
+    truth = merge_states([capture_state(s) for s in old])
+
+    [new] = build_split(job, [(1, 4)])
+    rpc = RpcEndpoint(network.create("new"), "run")
+    state = await fetch_from_checkpoints(rpc, announcements, job, 1, 4, expected=expected_entries(new))
+    assert state is not None
+    restore_state(new, state)
+    names = list(state.tensors)
+    assert any(n.startswith("optim/") for n in names)
+    assert_bit_equal(state.tensors, truth.subset(names).tensors)
+
+    # an announcement that does not match what its holder serves is refused
+    forged = announcements[1].model_copy(
+        update={
+            "checkpoints": (announcements[1].checkpoints[0].model_copy(update={"state_digest": "f" * 64}),)
+        }
+    )
+    with pytest.raises(HandoverError, match="another checkpoint"):
+        await fetch_from_checkpoints(rpc, [announcements[0], forged], job, 1, 4)
+    assert await fetch_from_checkpoints(rpc, announcements[:1], job, 1, 4) is None
+
+
+def test_the_validator_schema_takes_only_announcements_their_signer_wrote_about_itself():
+    from ravnest_p2p.training.checkpoint import parse_announcement
+
+    value = _announce("a", [(10, 0, 5)]).model_dump(mode="json")
+    assert parse_announcement(value, "a").peer_id == "a"
+    with pytest.raises(ValueError, match="signed by"):
+        parse_announcement(value, "b")
+    with pytest.raises(ValueError, match="validation"):
+        parse_announcement({**value, "checkpoints": [{"step": -1}]}, "a")

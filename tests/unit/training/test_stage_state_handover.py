@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ravnest_p2p.training.handover import (
     ExecutorSource,
@@ -128,3 +129,37 @@ def test_pages_respect_their_budget_and_cover_every_element():
     assert sum(c for _, c in covered["0.b"]) == 3000
     assert covered["0.a"] == [(0, 10)]
     assert covered["0.c"] == [(0, 1)]
+
+
+async def test_a_stage_starts_from_a_served_checkpoint_only_if_it_is_the_one_the_job_names():
+    from ravnest_p2p.training.handover import StaticSource
+    from ravnest_p2p.training.job import InitCheckpoint
+    from ravnest_p2p.training.stage_hook import init_from_checkpoint
+    from ravnest_p2p.training.stage_state import entries_digest
+
+    job = resnet_job()
+    [trained] = build_split(job, [(0, 5)])
+    train_step([trained], 0)
+    state = capture_state(trained)
+    network = FakeNetwork()
+    server_rpc = RpcEndpoint(network.create("client"), "run")
+    server = HandoverServer.of(server_rpc)
+    await server.start()
+    server.publish("init-x", StaticSource(state), epoch=0, allowed={"peer"})
+    peer_rpc = RpcEndpoint(network.create("peer"), "run")
+    good = InitCheckpoint(
+        peer_id="client", source_id="init-x", state_digest=entries_digest(state.entries().values())
+    )
+
+    [stage] = build_split(job.model_copy(update={"init_checkpoint": good}), [(2, 5)])
+    assert await init_from_checkpoint(peer_rpc, job.model_copy(update={"init_checkpoint": good}), stage) > 0
+    for name, param in stage.parameters_by_name().items():
+        assert torch.equal(param, state.tensors[name])
+    assert stage.num_steps == 0  # weights only: a fresh optimizer and schedule
+
+    bad = good.model_copy(update={"state_digest": "0" * 64})
+    [other] = build_split(job, [(2, 5)])
+    before = union_state([other])
+    with pytest.raises(HandoverError, match="not the one"):
+        await init_from_checkpoint(peer_rpc, job.model_copy(update={"init_checkpoint": bad}), other)
+    assert_bit_equal(before, union_state([other]))
