@@ -28,12 +28,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from ravnest_p2p.discovery import PeerRecord, dht_time
+from ravnest_p2p.discovery import PeerRecord, RunDHT, dht_time
 from ravnest_p2p.membership.board import PlanBoard
 from ravnest_p2p.membership.config import DEFAULT_LAYERS, MembershipConfig
 from ravnest_p2p.membership.epochs import Action, EpochTracker, Phase, backed_epoch
 from ravnest_p2p.membership.gossip import Gossiper, GossipLimits
-from ravnest_p2p.membership.suspects import SuspectBoard, SuspectKind
+from ravnest_p2p.membership.suspects import DhtSuspectBoard, SuspectBoard, SuspectKind
 from ravnest_p2p.membership.suspicion import SuspicionKeeper
 from ravnest_p2p.membership.view import Capacity, MembershipView, SummaryItem
 from ravnest_p2p.planning import JobParams, Plan, make_plan
@@ -120,6 +120,9 @@ class MembershipService:
         # (claimant -> highest epoch it claimed) since the last round; adopted only when backed
         self._claims: dict[str, int] = {}
         self.num_epoch_claims_dropped = 0
+        if suspects is None and isinstance(getattr(board, "_dht", None), RunDHT):
+            # until the composition root passes a board: reports go where the plan digests go
+            suspects = DhtSuspectBoard(board._dht)  # type: ignore[attr-defined]
         self.suspicion = SuspicionKeeper(
             rpc,
             suspects,
@@ -131,6 +134,8 @@ class MembershipService:
             are_neighbours=self._are_neighbours,
             get_epoch=lambda: self.tracker.epoch,
             clock=wall_clock,
+            read_period_s=max(1.0, config.gossip_period_s),
+            monotonic=clock,
         )
         self.active_plan: Plan | None = None
         # which workload (e.g. a job id) the plans are for: every peer that sees the same job sets the
@@ -208,8 +213,12 @@ class MembershipService:
         live = self.view.live_ids()
         record_epochs = [rec.epoch for pid, rec in self._records.peers.items() if pid in live]
         if claim > max(record_epochs, default=0) + 1:
-            published = await self._read_board_at(claim - 1) or {}
-            by_other = any(pid in live and pid != claimant for pid in published)
+            by_other = False
+            for epoch in (claim - 1, claim):  # a board keeping each member's latest digest may show E only
+                published = await self._read_board_at(epoch) or {}
+                by_other = any(pid in live and pid != claimant for pid in published)
+                if by_other:
+                    break
         else:
             by_other = False
         target = backed_epoch(claim, record_epochs=record_epochs, previous_published_by_other=by_other)

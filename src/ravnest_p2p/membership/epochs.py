@@ -21,9 +21,9 @@ Rules (DESIGN.md §4 "Gossip agreement", made precise):
   own directory, not excluded (strangers' claims are dropped unread); (2) we adopt at most
   ``max(epoch in live members' signed peer records) + 1`` (records carry the epoch of each member's
   active plan), or the claimed ``E`` itself when a live member *other than the claimant* has published
-  a signed plan digest for ``E - 1``; a larger claim is clamped to that bound, never refused outright,
-  so an honest peer that moved ahead still pulls the others up one backed step at a time. Epochs
-  never exceed ``MAX_EPOCH`` (the records' cap).
+  a signed plan digest for ``E - 1`` (or ``E``); a larger claim is clamped to that bound, never
+  refused outright, so an honest peer that moved ahead still pulls the others up one backed step at a
+  time. Epochs never exceed ``MAX_EPOCH`` (the records' cap).
 
 Alternatives rejected: re-planning on every view change with a debounce only (a flapping peer then
 re-plans forever); adopting any higher epoch heard (one unauthenticated `gossip_view` with epoch
@@ -54,7 +54,7 @@ def backed_epoch(claim: int, *, record_epochs: Iterable[int], previous_published
         claim: the epoch a live member claims.
         record_epochs: the epochs in live members' signed peer records.
         previous_published_by_other: a live member other than the claimant signed a plan digest for
-            ``claim - 1``.
+            ``claim - 1`` (or ``claim``).
     """
     bound = max(record_epochs, default=0) + 1
     if previous_published_by_other:

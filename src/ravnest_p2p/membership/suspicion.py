@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from ravnest_p2p.errors import RemoteError, TransportError
@@ -36,6 +37,8 @@ class SuspicionKeeper:
         are_neighbours: whether two peers are adjacent stages of one cluster in the active plan.
         get_epoch: our current epoch.
         clock: DHT/wall time in seconds for ``reported_at`` (monotonic is per-host).
+        read_period_s: least time between two reads of the board (a DHT search each).
+        monotonic: the clock of ``read_period_s``.
     """
 
     def __init__(
@@ -51,6 +54,8 @@ class SuspicionKeeper:
         are_neighbours: Callable[[str, str], bool],
         get_epoch: Callable[[], int],
         clock: Callable[[], float],
+        read_period_s: float = 1.0,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.rpc = rpc
         self.board = board
@@ -67,6 +72,9 @@ class SuspicionKeeper:
         self._dirty = False
         self._seen: set[tuple[str, str, float]] = set()
         self._witness_epoch: dict[str, int] = {}  # reporter -> epoch its misbehaviour report was taken
+        self.read_period_s = read_period_s
+        self._monotonic = monotonic
+        self._read_at = -float("inf")
         self.wake = asyncio.Event()
         self.num_verified_dead = 0
         self.num_found_alive = 0
@@ -129,8 +137,10 @@ class SuspicionKeeper:
             return False
 
     async def _read(self) -> None:
-        if self.board is None:
+        now = self._monotonic()
+        if self.board is None or now - self._read_at < self.read_period_s:
             return
+        self._read_at = now
         try:
             reports = await asyncio.wait_for(self.board.read(), self.call_timeout_s)
         except (TimeoutError, OSError, TransportError) as exc:

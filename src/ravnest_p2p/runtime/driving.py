@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 from torch import Tensor
 
-from ravnest_p2p.errors import NeighbourLost, RavnestError, TransportError
+from ravnest_p2p.errors import InvalidMessage, NeighbourLost, RavnestError, TransportError
 from ravnest_p2p.runtime.liveness import NeighbourWatch
 from ravnest_p2p.runtime.messages import FINISH, READY, EvalResult, FinishRequest, ReadyRequest
 from ravnest_p2p.runtime.pipeline import PipelineConfig, StageStats, Work
@@ -52,6 +52,7 @@ class FirstStageDriver:
     watch: NeighbourWatch
     failure: BaseException | None
     finished: asyncio.Event
+    quiet: asyncio.Event
     _forward_q: deque[Work]
     _work: asyncio.Event
     _pending_forward: set[int]
@@ -150,7 +151,11 @@ class FirstStageDriver:
             self._outstanding[mb] = _Issued(time.monotonic(), inputs, labels)
             self._all_done.clear()
             self._pending_forward.add(mb)
-            await self._enqueue(self._forward_q, Work("forward", mb, inputs, labels))
+            try:
+                await self._enqueue(self._forward_q, Work("forward", mb, inputs, labels))
+            except InvalidMessage:  # the stage failed while we waited for queue space
+                self._raise_if_failed()
+                raise
         await self._wait_all_done()
 
     async def _acquire_window(self) -> None:
@@ -197,10 +202,17 @@ class FirstStageDriver:
             waiter: asyncio.Future[EvalResult | None] = loop.create_future()
             self._eval_waiters[mb] = waiter
             waiters.append(waiter)
-            await self._enqueue(self._forward_q, Work("eval", mb, inputs, labels))
+            try:
+                await self._enqueue(self._forward_q, Work("eval", mb, inputs, labels))
+            except InvalidMessage:
+                self._raise_if_failed()
+                raise
         try:
             async with asyncio.timeout(self.config.micro_batch_timeout_s):
                 outcomes = await asyncio.gather(*waiters)
+        except RavnestError:
+            self._raise_if_failed()  # typed (e.g. `NeighbourLost`) when the pipeline failed meanwhile
+            raise
         finally:
             for mb in [k for k, w in self._eval_waiters.items() if w in waiters]:
                 del self._eval_waiters[mb]
@@ -213,6 +225,7 @@ class FirstStageDriver:
 
     async def finish(self) -> None:
         """First stage: tell the other stages training is over (best effort, with deadlines)."""
+        self.quiet.set()
         for peer in self.peers[1:]:
             try:
                 await self.rpc.call(peer, FINISH, FinishRequest(epoch=self.epoch), timeout_s=10)

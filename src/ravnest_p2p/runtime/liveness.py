@@ -11,7 +11,8 @@ counts as hearing it too. A neighbour silent for ``neighbour_timeout_s`` is lost
 `NeighbourLost` naming it. A slow neighbour keeps answering pings, so it is never declared dead. A ping
 reply also says whether the neighbour's own stage gave up and on whom, so a break anywhere in the chain
 reaches the first stage within about one heartbeat per hop. A neighbour that answers with
-``stale_epoch`` has moved on to another plan: lost as well.
+``stale_epoch`` serves another plan: that counts as silence (one still finishing the previous plan is
+not heard yet, so never lost; one that moved on after we heard it is lost after the timeout).
 
 The clock of a neighbour starts at the first time we hear it: peers pick up a plan on their own
 schedule, and one that has not started serving yet is the first stage's `wait_ready` concern, not a
@@ -95,10 +96,10 @@ class NeighbourWatch:
                 if self._gave_up(peer, reply.message):
                     return
             except RemoteError as exc:
-                if exc.code == "stale_epoch":
-                    self._on_lost(peer, f"moved to another plan ({exc.message})")
-                    return
-                self.heard(peer)  # it answered
+                # another epoch: not (yet, or any more) our neighbour; silent as far as we care, so a
+                # neighbour still finishing the previous plan is waited for and one that moved on is lost
+                if exc.code != "stale_epoch":
+                    self.heard(peer)  # it answered
             except TransportError as exc:
                 logger.debug("ping to %s failed: %s", peer, exc)
             silent_s = self.silent_for(peer)

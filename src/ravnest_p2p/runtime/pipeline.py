@@ -28,7 +28,7 @@ class PipelineConfig(BaseModel):
     send_attempts: int = Field(default=3, ge=1)
     micro_batch_timeout_s: float = Field(default=300.0, gt=0)
     max_abs_value: float | None = Field(
-        default=1e6,
+        default=1e10,
         gt=0,
         description="float activations/gradients beyond +-this are refused; None: finite only",
     )

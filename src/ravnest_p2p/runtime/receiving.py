@@ -68,6 +68,7 @@ class StageHandlers:
     watch: NeighbourWatch
     failure: BaseException | None
     finished: asyncio.Event
+    quiet: asyncio.Event
     _methods: list[RpcMethod[Any, Any]]
     _forward_q: deque[Work]
     _backward_q: deque[Work]
@@ -119,7 +120,9 @@ class StageHandlers:
 
     async def _enqueue(self, queue: deque[Work], work: Work) -> int:
         async with self._space:
-            await self._space.wait_for(lambda: len(queue) < self._queue_limit)
+            await self._space.wait_for(lambda: len(queue) < self._queue_limit or self.failure is not None)
+            if self.failure is not None:  # the worker is gone: nothing will take it
+                raise _Benign("this stage has failed")
             queue.append(work)
         self._work.set()
         return len(queue)
@@ -198,8 +201,8 @@ class StageHandlers:
         self._check_epoch(req.epoch)
         self.watch.heard(ctx.remote_peer_id)
         waiter = self._eval_waiters.get(req.micro_batch_id)
-        if waiter is None or waiter.done():
-            raise InvalidMessage(f"no evaluation pending for micro-batch {req.micro_batch_id}")
+        if waiter is None or waiter.done():  # never issued, or late after a timeout: not held against it
+            raise _Benign(f"no evaluation pending for micro-batch {req.micro_batch_id}")
         waiter.set_result(req)
         return Ack()
 
@@ -221,5 +224,6 @@ class StageHandlers:
         if ctx.remote_peer_id != self.peers[0]:
             raise InvalidMessage("finish from a peer that is not the first stage")
         self._check_epoch(req.epoch)
+        self.quiet.set()
         self.finished.set()
         return Ack()

@@ -148,6 +148,9 @@ class StageService(StageHandlers, FirstStageDriver):
         self.ledger = PeerLedger(threshold=config.misbehaviour_threshold, on_exclude=self._on_exclude)
         self.ledger.new_epoch(epoch)
         self.finished = asyncio.Event()
+        # set when training is over (finish sent or received, or failed): heartbeats stop, since
+        # neighbours then close their services on their own schedule
+        self.quiet = asyncio.Event()
         self.failure: BaseException | None = None
         self._tasks = TaskOwner(f"stage{stage_index}")
         self._methods: list[RpcMethod[Any, Any]] = []
@@ -190,7 +193,7 @@ class StageService(StageHandlers, FirstStageDriver):
             await self._serve(DROP, self._on_drop)
         self._tasks.spawn(self._worker(), name="worker")
         if self.watch.neighbours:
-            self._tasks.spawn(self.watch.run(stop=self.finished), name="heartbeat")
+            self._tasks.spawn(self.watch.run(stop=self.quiet), name="heartbeat")
 
     async def aclose(self) -> None:
         await self._tasks.aclose()
@@ -265,6 +268,7 @@ class StageService(StageHandlers, FirstStageDriver):
         self._all_done.set()
         self._window_open.set()
         self._work.set()
+        self.quiet.set()
         self.finished.set()
         for waiter in self._eval_waiters.values():
             if not waiter.done():
@@ -303,7 +307,7 @@ class StageService(StageHandlers, FirstStageDriver):
                     work.micro_batch_id,
                     exc,
                 )
-                if work.kind in ("forward", "backward") and not self.is_first:
+                if work.kind in ("forward", "backward"):  # release it; the first stage re-issues it
                     await self._process_drop(work.micro_batch_id, str(exc))
             except asyncio.CancelledError:
                 raise
@@ -319,9 +323,11 @@ class StageService(StageHandlers, FirstStageDriver):
             finally:
                 pending = self._pending_backward if work.kind == "backward" else self._pending_forward
                 pending.discard(work.micro_batch_id)
-        # failed: free every stashed version and activation at once
+        # failed: free every stashed version and activation at once, wake whoever waits for queue space
         self._forward_q.clear()
         self._backward_q.clear()
+        async with self._space:
+            self._space.notify_all()
         released = await run_in_compute_thread(self.executor.release_all)
         self._outstanding.clear()
         logger.info("stage %d released %d in-flight micro-batches after its failure", self.index, released)

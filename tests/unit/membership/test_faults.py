@@ -127,3 +127,18 @@ async def test_a_misbehaviour_report_is_taken_only_from_a_plan_neighbour(witness
     await run_until(clock, services, lambda: True, max_rounds=3)
     others = [s for p, s in services.items() if p not in (reporter, suspect)]
     assert all(s._is_excluded(suspect) == witness for s in others)
+
+
+async def test_malformed_or_strangers_suspect_reports_exclude_nobody():
+    _, _, suspects, clock, services = await make(4)
+    target = sorted(services)[1]
+    entry = {"peer_id": target, "kind": "unreachable", "reason": "x", "epoch": 0, "reported_at": 1.0}
+    good = {"schema_version": 1, "suspects": [entry]}
+    suspects.reports["QmStranger"] = good  # not a member: not even verified
+    suspects.reports[sorted(services)[0] + "x"] = {"schema_version": 1, "suspects": "nope"}
+    suspects.reports[sorted(services)[2]] = {"schema_version": 99, "suspects": []}
+    suspects.reports[sorted(services)[3]] = {**good, "suspects": [{**entry, "epoch": -1}]}
+    await run_until(clock, services, lambda: True, max_rounds=3)
+    assert all(s.suspicion.num_found_alive == 0 for s in services.values())
+    assert all(not s._is_excluded(target) for s in services.values())
+    assert all(s.epoch == 0 and s.phase == Phase.ACTIVE for s in services.values())

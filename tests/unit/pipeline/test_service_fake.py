@@ -218,3 +218,33 @@ async def test_a_neighbour_past_the_misbehaviour_threshold_is_excluded_and_named
     finally:
         for s in services:
             await s.aclose()
+
+
+async def test_a_neighbour_still_on_the_previous_epoch_is_waited_for_not_declared_lost():
+    net = FakeNetwork()
+    peers = ["p0", "p1"]
+    old = StageService(  # p1 still serves the previous plan's stage
+        RpcEndpoint(net.create("p1"), "t"),
+        build_stage(JOB, 2, num_layers(JOB), max_in_flight=2),
+        epoch=2,
+        cluster_peers=peers,
+        stage_index=1,
+        config=PipelineConfig(max_in_flight=2, **FAST),
+    )
+    new = StageService(
+        RpcEndpoint(net.create("p0"), "t"),
+        build_stage(JOB, 0, 2, max_in_flight=2),
+        epoch=3,
+        cluster_peers=peers,
+        stage_index=0,
+        config=PipelineConfig(max_in_flight=2, **FAST),
+    )
+    await old.start()
+    await new.start()
+    try:
+        await asyncio.sleep(4 * FAST["neighbour_timeout_s"])  # asserting an absence: nothing to poll for
+        assert new.failure is None
+        assert new.watch.silent_for("p1") is None  # never heard on our epoch
+    finally:
+        await new.aclose()
+        await old.aclose()
