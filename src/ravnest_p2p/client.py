@@ -167,6 +167,7 @@ class RunClient:
 
     async def metrics(self, *, epoch: int | None = None, job_id: str | None = None) -> list[StageMetrics]:
         """The newest stage metrics of each (job, peer), optionally of one plan `epoch` and one job."""
+        await self.peers()  # dials peers that joined since: the replicas they are become reachable
         latest: dict[tuple[str, str], StageMetrics] = {}  # (job, peer) -> newest metrics
         # final metrics are pinned at the initial peers: read them there too
         found = await self.dht.get_signed(METRICS_KEY, from_initial_peers=True)

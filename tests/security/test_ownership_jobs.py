@@ -36,21 +36,22 @@ async def test_a_strangers_job_never_replaces_the_owners(hostile, tmp_path):
         initial = peers[0].maddrs
         async with (
             await RunClient.connect(initial, run_id, identity_path=owner_key) as owner,
-            await RunClient.connect(initial, run_id) as stranger,
-            attacker(initial, run_id) as evil,
+            attacker(initial, run_id) as stranger,
         ):
             assert owner.peer_id == owner_id  # the same key file is the same owner
             await owner.publish_job(placed_on(peers, "owners"), ttl_s=300)
-            # a stranger in the run: the longest TTL a job may have, and far beyond it, and a fake owners list
-            hostile.sent += 1
-            await stranger.publish_job(placed_on(peers, "strangers"), ttl_s=86_400)
+            # a stranger in the run: a well-formed job with the longest TTL a job may have (stored: it
+            # is signed and valid), one far beyond it, and a fake owners list naming itself
+            now = dht_time()
+            forged_owners = {"schema_version": 1, "owner": stranger.peer_id, "keys": [stranger.peer_id]}
             for peer in peers:
-                hostile.sent += 2
+                hostile.sent += 3
+                job = placed_on(peers, "strangers").to_wire()
+                assert await stranger.send_signed(peer.peer_id, JOB_KEY, job, now + 86_000)
                 evil_job = placed_on(peers, "evil").to_wire()
-                stored = await evil.send_signed(peer.peer_id, JOB_KEY, evil_job, dht_time() + 1e9)
-                forged_owners = {"schema_version": 1, "owner": evil.peer_id, "keys": [evil.peer_id]}
-                stored_owners = await evil.send_signed(
-                    peer.peer_id, "owners", forged_owners | {"updated_at": dht_time()}, dht_time() + 60
+                stored = await stranger.send_signed(peer.peer_id, JOB_KEY, evil_job, now + 1e9)
+                stored_owners = await stranger.send_signed(
+                    peer.peer_id, "owners", forged_owners | {"updated_at": now}, now + 60
                 )
                 hostile.refused += (not stored) + (not stored_owners)
             for peer in peers:
@@ -64,7 +65,7 @@ async def test_a_strangers_job_never_replaces_the_owners(hostile, tmp_path):
             records, _, _ = await fetch_run(initial, run_id, run_owner=owner_id)
             assert {r.run_owner for r in records} == {owner_id}
             assert format_owner(records, owner_id).startswith(f"owner: {owner_id} (2/2 peers")
-    assert hostile.refused == hostile.sent - 1  # all but the stranger's signed, well-formed job
+    assert hostile.refused == hostile.sent - len(peers)  # all but the stranger's well-formed jobs
     assert hostile.forged_accepted == 0
 
 

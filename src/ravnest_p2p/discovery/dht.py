@@ -28,7 +28,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.p2p import P2PDaemonError, PeerID
-from hivemind.utils import get_dht_time
+from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from ravnest_p2p.discovery.keys import KeyRegistry, is_fresh
 from ravnest_p2p.discovery.records import owner_public_key
@@ -257,7 +257,13 @@ class RunDHT:
         found = await self._node.get(self.key(name), latest=True)
         items: dict[Any, tuple[Any, float]] = {}
         if found is not None and isinstance(found.value, dict):
-            items = {k: (v.value, float(v.expiration_time)) for k, v in found.value.items()}
+            # a plain value that is itself a map (validators refuse those under run keys) is not a
+            # dictionary of subkeys: its items are not `ValueWithExpiration`s
+            items = {
+                k: (v.value, float(v.expiration_time))
+                for k, v in found.value.items()
+                if isinstance(v, ValueWithExpiration)
+            }
         if from_initial_peers and self.initial_peer_ids:
             pinned = await asyncio.gather(*(self._find_at(p, name) for p in self.initial_peer_ids))
             for direct in pinned:

@@ -69,7 +69,7 @@ DEFAULT_KEYS: tuple[KeySpec, ...] = (
     KeySpec("metrics", max_ttl_s=_DAY_S, max_value_bytes=256 * 1024),
     KeySpec("progress", max_ttl_s=7 * _DAY_S, max_value_bytes=64 * 1024),
     KeySpec("checkpoints", max_ttl_s=30 * _DAY_S, max_value_bytes=256 * 1024),
-    KeySpec("suspects", max_ttl_s=_HOUR_S, max_value_bytes=16 * 1024),
+    KeySpec("suspects", max_ttl_s=_HOUR_S, max_value_bytes=32 * 1024),
 )
 
 

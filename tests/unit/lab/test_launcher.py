@@ -67,3 +67,15 @@ def test_status_rows_follow_the_profile(monkeypatch: pytest.MonkeyPatch, tmp_pat
 def test_status_without_a_swarm_fails_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
     assert swarm_cli.main(["status", "--prefix", "rvnone9"]) == 1
     assert "no swarm" in capsys.readouterr().err
+
+
+def test_the_run_owner_reaches_every_peer_and_the_state() -> None:
+    swarm = Swarm(PROFILE, netns=False, prefix="rvu2", peer_config=None, run_owner="QmOwnerKey")
+    swarm._members.append(
+        SwarmMember(name="boot", pid=1, log_path="x", maddrs=["/ip4/127.0.0.1/tcp/1/p2p/Qm"])
+    )
+    argv = swarm._peer_argv(0, PROFILE.peers[0])
+    assert argv[argv.index("--run-owner") + 1] == "QmOwnerKey"
+    assert swarm.state().run_owner == "QmOwnerKey"
+    swarm.run_owner = None
+    assert "--run-owner" not in swarm._peer_argv(0, PROFILE.peers[0])
