@@ -7,7 +7,8 @@ the process group of the last stage of one cluster and measures:
 - the time from the kill until the survivors train again on a newer plan (the job's progress record
   shows that plan's pipelines moved past their start), which must be under 30 s;
 - the held-out loss at which the new plan resumes (each first stage evaluates right after restoring
-  its state, and logs it) against the loss before the kill: within 10 %, not back at the initial loss.
+  its state, and logs it) against the loss at the kill (within 10 %, not back at the initial loss) and
+  against the last evaluation of the state that was handed over (within the evaluation's own noise).
 
 Then the owner stops the job (`stop_job`), and `wait_for_job` returns its done metrics.
 
@@ -165,7 +166,12 @@ async def test_a_killed_stage_moves_the_job_to_a_new_plan_with_its_state(tmp_pat
             final = await client.wait_for_job(job, timeout_s=120, poll_s=0.5)
 
         assert resumed_after_s < 30.0, resumed_after_s
-        assert loss_after <= 1.10 * loss_before, (loss_before, resumed)  # not back at the initial loss
+        # not back at the initial loss: within 10 % of the loss at the kill (the surviving cluster trains on
+        # until the plan moves, so it is usually lower) ...
+        assert loss_after <= 1.10 * loss_at_kill, (loss_at_kill, resumed)
+        # ... and the state handed over is the one trained until the re-plan (consecutive evaluations 16
+        # micro-batches apart already differ by up to ~20 % here: 0.0877 -> 0.0731)
+        assert loss_after <= 1.25 * loss_before, (loss_before, resumed)
         # it resumes near where it was (the data position lags the state by a metrics period at most)
         assert all(position > position_at_kill // 2 for position, _ in resumed)
         assert final
