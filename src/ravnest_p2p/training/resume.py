@@ -139,10 +139,13 @@ def freshest_first(
 ) -> list[int] | None:
     """Cluster indices of plan `epoch`, furthest data position first (ties: `prefer`, then by index).
 
-    None when no cluster of that plan reported a position (then `state_sources` uses its default).
+    None unless every cluster of that plan has a position (then `state_sources` uses its default): a
+    peer keeps one progress record, so a first stage that already runs the next plan no longer shows
+    how far its old cluster got (seen on loopback: the furthest cluster's record was gone, the stalled
+    one ranked first and a stage resumed from it).
     """
     known = {c: positions[(epoch, c)] for c in range(num_clusters) if (epoch, c) in positions}
-    if not known:
+    if len(known) < num_clusters:
         return None
     return sorted(range(num_clusters), key=lambda c: (-known.get(c, -1), c != prefer, c))
 

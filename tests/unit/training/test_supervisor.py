@@ -322,7 +322,9 @@ def test_sources_follow_the_freshest_cluster_so_a_stage_is_not_stitched_from_sta
         Segment(2, 3, ("d",)),
     ]
     assert freshest_first({}, epoch=1, num_clusters=2, prefer=0) is None
-    assert freshest_first({(1, 1): 5}, epoch=1, num_clusters=3, prefer=2) == [1, 2, 0]
+    # a cluster whose first stage already reports a newer plan: no ranking (the default order instead)
+    assert freshest_first({(1, 1): 5, (1, 2): 7}, epoch=1, num_clusters=3, prefer=2) is None
+    assert freshest_first({(1, 0): 5, (1, 1): 5, (1, 2): 5}, epoch=1, num_clusters=3, prefer=2) == [2, 0, 1]
 
 
 async def test_an_idle_peer_drains_at_once():
