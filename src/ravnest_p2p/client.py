@@ -18,16 +18,17 @@ from ravnest_p2p.membership import DhtPlanBoard
 from ravnest_p2p.training.checkpoint import load_checkpoint
 from ravnest_p2p.training.handover import HandoverServer, StaticSource
 from ravnest_p2p.training.job import InitCheckpoint, JobSpec
+from ravnest_p2p.training.jobs import JOB_KEY, read_job, read_job_signed
 from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics, member_metrics, plan_members
 from ravnest_p2p.training.model_checkpoint import assemble_checkpoint
 from ravnest_p2p.training.placement import plan_assignment
+from ravnest_p2p.training.progress import JobProgress, ProgressView, publish_progress, read_progress
 from ravnest_p2p.training.run_keys import run_keys
-from ravnest_p2p.training.runner import JOB_KEY, read_job
 from ravnest_p2p.training.stage_state import entries_digest
 from ravnest_p2p.transport import RpcEndpoint
 from ravnest_p2p.utils import run_in_compute_thread
 
-__all__ = ["RunClient", "newest_epoch"]
+__all__ = ["RunClient", "current_plan_done", "newest_epoch"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,22 @@ def _job_done(metrics: Sequence[StageMetrics], num_clusters: int | None) -> bool
     # done (and at least one)
     expected = num_clusters or len({m.cluster for m in metrics})
     return bool(firsts) and len(firsts) >= expected
+
+
+def current_plan_done(metrics: Sequence[StageMetrics], records: Sequence[PeerRecord]) -> bool:
+    """Whether every first stage of the swarm's CURRENT plan reports the job done (agreed-plan jobs).
+
+    The current plan is the newest epoch the live peers' records name; its first stages are the live
+    peers at stage 0 of it. A dead peer has no live record, so it is never waited on; metrics of older
+    epochs do not count. False while no live peer names a first stage.
+    """
+    placed = [r for r in records if r.stage is not None and r.cluster is not None]
+    if not placed:
+        return False
+    epoch = max(r.epoch for r in placed)
+    firsts = {r.peer_id for r in placed if r.epoch == epoch and r.stage == 0}
+    done = {m.peer_id for m in metrics if m.epoch == epoch and m.stage == 0 and m.done}
+    return bool(firsts) and firsts <= done
 
 
 class RunClient:
@@ -118,7 +135,8 @@ class RunClient:
 
     @property
     def peer_id(self) -> str:
-        """This client's peer id: the owner id to give peers (``--run-owner``) for runs it owns."""
+        """This client's peer id: the owner id to give peers (``--run-owner``) for runs it owns, and the
+        id to list in `JobSpec.state_readers` to fetch checkpoints."""
         peer_id = self.dht.peer_id
         assert peer_id is not None  # a client always has its own transport
         return peer_id
@@ -176,6 +194,50 @@ class RunClient:
         plans = await DhtPlanBoard(self.dht).read_all()
         return member_metrics(metrics, members=plan_members(records, plans))
 
+    async def progress(self, job_id: str) -> ProgressView | None:
+        """The job's merged progress record (`training.progress`): data position, steps, done/ended."""
+        found = await read_job_signed(self.dht)
+        owner = found[0] if found is not None and found[1].job_id == job_id else None
+        return await read_progress(self.dht, job_id, owner_peer_id=owner)
+
+    async def stop_job(self, job_id: str, *, ttl_s: float = 3600.0) -> None:
+        """Ask the peers to stop `job_id`: each cluster finishes (evaluates, reports done) soon after.
+
+        Only a stop signed by the key that published the job counts, i.e. this client's connection
+        (a new `RunClient` has a new key).
+        """
+        assert self.dht.transport is not None
+        record = JobProgress(
+            job_id=job_id,
+            peer_id=self.dht.transport.peer_id,
+            stopped=True,
+            ended=True,
+            reason="stopped by its owner",
+            updated_at=dht_time(),
+        )
+        if not await publish_progress(self.dht, record, final=True):
+            raise RavnestError("no DHT peer accepted the stop request")
+        logger.info("asked the peers to stop job %s", job_id)
+
+    async def _poll_job(self, job: JobSpec) -> tuple[list[StageMetrics], bool]:
+        """(metrics to show, done) of one poll of `job` (raises `RavnestError` if the job failed)."""
+        if job.assignment is not None:
+            # an explicit assignment: a fixed set of clusters on epoch 0
+            current = newest_epoch(await self.member_metrics(job, await self.metrics(job_id=job.job_id)))
+            return current, _job_done(current, len(job.assignment))
+        progress = await self.progress(job.job_id)
+        signed = await self.metrics(job_id=job.job_id)
+        metrics = await self.member_metrics(job, signed)
+        if progress is not None and progress.done:
+            # the swarm may have moved to a plan that no longer names the peers that finished the job:
+            # their (signed) metrics are still what the job ended with
+            return newest_epoch(metrics or signed), True
+        if progress is not None and progress.ended and not progress.stopped:
+            raise RavnestError(f"job {job.job_id} ended: {progress.reason}")
+        # a stopped job is done once its clusters have finished (they publish done within seconds)
+        records = await self.peers()
+        return newest_epoch(metrics), current_plan_done(metrics, records)
+
     async def wait_for_job(
         self,
         job: JobSpec,
@@ -184,11 +246,13 @@ class RunClient:
         poll_s: float = 2.0,
         on_progress: Callable[[list[StageMetrics]], None] | None = None,
     ) -> list[StageMetrics]:
-        """Poll metrics until every first stage of the job reports done; return the final metrics.
+        """Poll until the job is done; return its newest metrics.
 
-        Only metrics of peers that are members of the job's assignment or plan count (`member_metrics`).
+        Done: the job's progress record says done, or every first stage of the CURRENT plan reports
+        done (a job without assignment follows the job across re-plans and never waits on a dead peer);
+        with an explicit assignment, every first stage of it reports done. Only metrics of peers that are
+        members of the job's assignment or plan count (`member_metrics`).
         """
-        num_clusters = len(job.assignment) if job.assignment else None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
@@ -196,17 +260,14 @@ class RunClient:
                 # one poll may not hang the wait: a lab run's client idled for 420 s after every stage had
                 # stored done (a fresh client read it at once); a poll past its share is abandoned
                 async with asyncio.timeout(_POLL_TIMEOUT_S):
-                    metrics = newest_epoch(
-                        await self.member_metrics(job, await self.metrics(job_id=job.job_id))
-                    )
+                    metrics, done = await self._poll_job(job)
             except TimeoutError:
                 logger.warning("reading the metrics of job %s took too long; polling again", job.job_id)
-                metrics = None
-            if metrics is not None:
-                if on_progress is not None:
-                    on_progress(metrics)
-                if _job_done(metrics, num_clusters):
-                    return metrics
+                metrics, done = None, False
+            if metrics is not None and on_progress is not None:
+                on_progress(metrics)
+            if done and metrics is not None:
+                return metrics
             if loop.time() > deadline:
                 raise TimeoutError(f"job {job.job_id} not done after {timeout_s:.0f}s")
             await asyncio.sleep(poll_s)

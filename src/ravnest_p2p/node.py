@@ -1,7 +1,7 @@
-"""The peer's composition root: identity → host → DHT → probes → announcer and directory.
+"""The peer's composition root: identity → host → DHT → probes → announcer, directory, membership, jobs.
 
 Nothing here decides anything; it builds the parts from one `PeerConfig`, starts their loops under one
-`TaskOwner`, and closes them in reverse order.
+`TaskOwner`, and closes them in reverse order. A job's life is the `training.supervisor.JobSupervisor`'s.
 """
 
 from __future__ import annotations
@@ -18,15 +18,21 @@ from ravnest_p2p import __version__
 from ravnest_p2p.discovery import Announcer, PeerDirectory, PeerRecord, RunDHT, dht_time
 from ravnest_p2p.measurement import NetworkMeter, ProbeConfig, free_memory_bytes, measure_matmul_flops
 from ravnest_p2p.membership import DhtPlanBoard, MembershipConfig, MembershipService
+from ravnest_p2p.planning import JobParams
+from ravnest_p2p.training.handover import HandoverServer
 from ravnest_p2p.training.job import JobSpec
-from ravnest_p2p.training.placement import assignment_from_plan, job_params, layer_profiles
+from ravnest_p2p.training.placement import job_params, layer_profiles
+from ravnest_p2p.training.role import StageRole
 from ravnest_p2p.training.run_keys import run_keys
-from ravnest_p2p.training.runner import Placement, StageRunner, find_placement, read_job
+from ravnest_p2p.training.runner import StageRunner
+from ravnest_p2p.training.stage_state import StageState
+from ravnest_p2p.training.state_source import HandoverStateSource
+from ravnest_p2p.training.supervisor import JobSupervisor, SupervisorConfig, rerun_allowed
 from ravnest_p2p.transport import HostConfig, P2PTransport, RpcEndpoint, load_or_create_identity
-from ravnest_p2p.types import PeerState
+from ravnest_p2p.types import LayerProfile, PeerState
 from ravnest_p2p.utils import TaskOwner, run_in_compute_thread
 
-__all__ = ["EmulationConfig", "Peer", "PeerConfig", "PeerStatus", "rerun_allowed"]
+__all__ = ["EmulationConfig", "Peer", "PeerConfig", "PeerStatus", "rerun_allowed"]  # rerun_allowed: moved
 
 _ADDRESSES_S = 30.0
 
@@ -71,6 +77,7 @@ class PeerConfig(BaseModel):
     status_interval_s: float = Field(default=10.0, gt=0)
     check_identity_free: bool = True
     job_poll_s: float = Field(default=2.0, gt=0)
+    drain_grace_s: float = Field(default=30.0, ge=0, le=300)
     probe: ProbeConfig = ProbeConfig()
     membership: MembershipConfig = MembershipConfig()
     emulate: EmulationConfig | None = None
@@ -101,15 +108,6 @@ class PeerStatus:
         )
 
 
-def rerun_allowed(failed_epoch: int | None, plan_epoch: int) -> bool:
-    """Whether a job on the agreed plan may run on `plan_epoch` here, given the epoch it failed on.
-
-    A failed job is retried only on a newer plan: the same plan would fail the same way (e.g. a dead
-    stage in our cluster), and a plan is how the swarm routes around the fault.
-    """
-    return failed_epoch is None or plan_epoch > failed_epoch
-
-
 class Peer:
     """A running volunteer peer. Create with `await Peer.start(config)`; close with `await peer.aclose()`."""
 
@@ -135,10 +133,20 @@ class Peer:
         self._maddrs: list[str] = []
         self._tasks = TaskOwner(f"peer-{transport.peer_id[-6:]}")
         self._closed = False
-        self.jobs_done: set[str] = set()
-        self._failed_epoch: dict[str, int] = {}  # job id -> agreed-plan epoch it last failed on here
-        self._workload_job: str | None = None
-        self.runner: StageRunner | None = None
+        self.supervisor = JobSupervisor(
+            SupervisorConfig(poll_s=config.job_poll_s, drain_grace_s=config.drain_grace_s),
+            peer_id=transport.peer_id,
+            dht=dht,
+            plans=self.membership,
+            workload=_workload,
+            start_runner=self._start_runner,
+            state_source=HandoverStateSource(self.rpc),
+            suspects=self.membership,
+            serve_to=self._serve_state_to,
+            alive=lambda: set(self.directory.peers),  # draining peers still serve their state
+            prepare=self._prepare,
+            on_state=self._set_state,
+        )
 
     @classmethod
     async def start(cls, config: PeerConfig) -> Peer:
@@ -186,7 +194,7 @@ class Peer:
             await self.membership.serve()
             self.membership.add_listener(lambda _plan: self.announcer.refresh_soon())
             self._tasks.spawn(self.membership.run(), name="membership")
-        self._tasks.spawn(self._job_loop(), name="jobs")
+        self._tasks.spawn(self.supervisor.run(), name="jobs")
         logger.info("peer %s ready: %.1f GFLOP/s", self.peer_id, self.flops / 1e9)
         if self.config.run_owner is None:
             logger.warning(
@@ -197,45 +205,38 @@ class Peer:
     def peer_id(self) -> str:
         return self.transport.peer_id
 
-    async def _place_on_agreed_plan(self, job: JobSpec) -> tuple[JobSpec | None, int]:
-        """A job without an assignment runs on the membership's agreed plan, once one exists for it.
+    @property
+    def jobs_done(self) -> set[str]:
+        """Jobs this peer will not run again (done, stopped, ended)."""
+        return self.supervisor.finished
 
-        Every peer that reads the job asks the membership to plan for the job's layer profile (computed
-        from the registry, so identical everywhere); the job runs when a plan made for it is active.
-        """
-        if self.membership is None:
-            return None, 0
-        if self._workload_job != job.job_id:
-            params, layers = await run_in_compute_thread(lambda: (job_params(job), layer_profiles(job)))
-            self.membership.set_workload(job.job_id, params, layers)
-            self._workload_job = job.job_id
-        plan = self.membership.active_plan
-        if plan is None or self.membership.active_workload != job.job_id:
-            return None, 0
-        return job.model_copy(update={"assignment": assignment_from_plan(plan)}), plan.epoch
+    @property
+    def runner(self) -> StageRunner | None:
+        runner = self.supervisor.runner
+        return runner if isinstance(runner, StageRunner) else None
 
-    async def _job_loop(self) -> None:
-        """Watch the run's job; train our stage of each new job that places us."""
-        while True:
-            try:
-                job = await read_job(self.dht)
-            except Exception as exc:
-                logger.debug("reading the job failed: %r", exc)
-                job = None
-            placement = None
-            on_agreed_plan = False
-            if job is not None and job.job_id not in self.jobs_done:
-                if job.assignment is None:
-                    on_agreed_plan = True
-                    failed_epoch = self._failed_epoch.get(job.job_id)
-                    job, epoch = await self._place_on_agreed_plan(job)
-                    if job is not None and rerun_allowed(failed_epoch, epoch):
-                        placement = find_placement(job, self.peer_id, epoch=epoch)
-                else:
-                    placement = find_placement(job, self.peer_id)
-            if job is not None and placement is not None:
-                await self._run_stage(job, placement, on_agreed_plan=on_agreed_plan)
-            await asyncio.sleep(self.config.job_poll_s)
+    def _start_runner(self, job: JobSpec, role: StageRole, state: StageState | None) -> StageRunner:
+        return StageRunner(self.rpc, self.dht, job, role, initial_state=state)
+
+    def _serve_state_to(self, job_id: str, epoch: int, peer_ids: frozenset[str]) -> None:
+        HandoverServer.of(self.rpc).allow(job_id, peer_ids, epoch=epoch)
+
+    async def _prepare(self, role: StageRole) -> None:
+        await self._learn_addresses(sorted(role.plan_peers))
+
+    def _set_state(self, state: PeerState) -> None:
+        self.state = state
+        self.announcer.refresh_soon()
+
+    async def leave(self, grace_s: float | None = None) -> None:
+        """A graceful leave (SIGTERM): announce draining so the swarm re-plans, hand the stage over
+        (keep its state for the new owners for at most `grace_s`, default `drain_grace_s`), then return;
+        the caller closes the peer."""
+        if self._closed:
+            return
+        self.state = PeerState.DRAINING
+        await self.announcer.publish_once()
+        await self.supervisor.drain(grace_s)
 
     async def _learn_addresses(self, peer_ids: list[str]) -> None:
         """Read the job's peers' records (their addresses), for at most `_ADDRESSES_S`.
@@ -259,52 +260,6 @@ class Peer:
                 logger.debug("directory refresh failed: %r", exc)
             if any(p not in self.directory.peers for p in missing):
                 await asyncio.sleep(0.5)  # polling the DHT, bounded by the deadline
-
-    async def _run_stage(self, job: JobSpec, placement: Placement, *, on_agreed_plan: bool) -> None:
-        """Train our stage; on an agreed plan, start over if the swarm moves to another plan meanwhile.
-
-        Re-planning mid-job (a peer lost or joined past the grace period) restarts the job on the new
-        plan from its initial weights: moving trained stages to new owners (`fetch_shard`) is not built.
-        """
-        logger.info(
-            "job %s: stage %d of %d in cluster %d (epoch %d)",
-            job.job_id,
-            placement.stage_index,
-            len(placement.stages),
-            placement.cluster_index,
-            placement.epoch,
-        )
-        self.jobs_done.add(job.job_id)
-        self.state = PeerState.TRAINING
-        self.announcer.refresh_soon()
-        partners = [s.peer_id for c in job.assignment for s in c] if job.assignment else placement.peers
-        await self._learn_addresses(partners)
-        self.runner = StageRunner(self.rpc, self.dht, job, placement)
-        run = self._tasks.spawn(self.runner.run(), name=f"job-{job.job_id}")
-        try:
-            while not run.done():
-                await asyncio.wait({run}, timeout=self.config.job_poll_s)
-                plan = self.membership.active_plan if self.membership is not None else None
-                if on_agreed_plan and not run.done() and plan is not None and plan.epoch != placement.epoch:
-                    logger.info("plan moved to epoch %d: restarting job %s on it", plan.epoch, job.job_id)
-                    run.cancel()
-                    await asyncio.wait({run})
-                    self.jobs_done.discard(job.job_id)
-                    return
-            final = run.result()
-            logger.info("job %s finished: step %d loss %s", job.job_id, final.step, final.loss)
-        except asyncio.CancelledError:
-            run.cancel()
-            raise
-        except Exception as exc:
-            logger.error("job %s failed on this peer: %s", job.job_id, exc)
-            if on_agreed_plan:
-                # e.g. a pipeline partner died: the swarm re-plans without it, and we run again there
-                self._failed_epoch[job.job_id] = placement.epoch
-                self.jobs_done.discard(job.job_id)
-        finally:
-            self.state = PeerState.READY
-            self.announcer.refresh_soon()
 
     @property
     def maddrs(self) -> list[str]:
@@ -359,6 +314,7 @@ class Peer:
         if self._closed:
             return
         self._closed = True
+        await self.supervisor.aclose()
         await self._tasks.aclose()
         if self.membership is not None:
             await self.membership.aclose()
@@ -373,3 +329,9 @@ class Peer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+async def _workload(job: JobSpec) -> tuple[JobParams, list[LayerProfile]]:
+    """What the membership plans a job with: its params and layer profile (a dry run of the model)."""
+    layers = await run_in_compute_thread(layer_profiles, job)
+    return job_params(job, num_layers=len(layers)), layers

@@ -106,6 +106,17 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[PeerConfig, str
     return PeerConfig.model_validate(values), args.log_level
 
 
+async def _leave(peer: Peer, second_signal: asyncio.Event) -> None:
+    """A graceful leave (`Peer.leave`); a second SIGINT/SIGTERM cuts the hand-over short."""
+    tasks = {asyncio.ensure_future(peer.leave()), asyncio.ensure_future(second_signal.wait())}
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _serve(config: PeerConfig) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -126,7 +137,11 @@ async def _serve(config: PeerConfig) -> int:
                 await asyncio.wait_for(stop.wait(), config.status_interval_s)
             except TimeoutError:
                 pass
-        logger.info("shutting down: announcing draining")
+        logger.info(
+            "leaving: announcing draining, handing the stage over (at most %.0fs)", config.drain_grace_s
+        )
+        stop.clear()
+        await _leave(peer, stop)
     finally:
         await peer.aclose()
     print("stopped", flush=True)

@@ -10,25 +10,10 @@ from collections.abc import Sequence
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from ravnest_p2p.planning.window import default_window  # the one definition (planner and runtime)
 from ravnest_p2p.transport.codec import Compression
 
 __all__ = ["PipelineConfig", "StageStats", "Work", "default_window", "tensor_bytes"]
-
-
-def default_window(num_stages: int) -> int:
-    """The most micro-batches in flight a pipeline may need: ``3 * num_stages - 2``.
-
-    The experimental adaptive window (`runtime.window.InflightWindow`, opt-in) moves between
-    ``num_stages`` and the window. PipeDream admits ``num_stages`` micro-batches, which saturates
-    a pipeline whose communication is free. Over volunteer links a transfer takes as long as a stage's
-    compute, so each link direction is a pipeline resource too: a micro-batch's round trip visits S
-    computes and 2(S-1) link directions, at most ``(3S - 2) x`` the slowest one's time; that many in
-    flight always reach the bottleneck's rate, but where compute and links are unbalanced fewer do, and
-    more only queue (measured: `benchmarks/results/pipeline_throughput.md`). The cost is up to that many
-    stashed weight versions on the first stage (memory is planned for the cap); set `max_in_flight`
-    lower where memory is tight.
-    """
-    return max(1, 3 * num_stages - 2)
 
 
 class PipelineConfig(BaseModel):

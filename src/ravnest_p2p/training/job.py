@@ -67,9 +67,12 @@ class JobSpec(_Config):
         batch_size: samples per micro-batch.
         num_epochs: passes over each cluster's shard of the data.
         max_steps: cap on micro-batches per cluster (None: the epochs decide).
+        max_wall_s: stop after this many seconds of training, summed over plans (None: no limit).
+        until_stopped: ignore `num_epochs` (data epochs wrap) and train until `max_steps`, `max_wall_s`
+            or the owner's `RunClient.stop_job` ends the job (see docs/elastic.md).
         min_stages: the planner gives every cluster at least this many stages (peers).
         max_in_flight: micro-batches in a pipeline at once (None: 3 x stages - 2, see
-            `runtime.pipeline.default_window`).
+            `planning.window`).
         adaptive_window: experimental; the first stage sizes its window between the number of stages
             and max_in_flight from measured delivery rate x min round trip (`runtime.window`).
         update_every: backwards per optimizer step.
@@ -97,6 +100,8 @@ class JobSpec(_Config):
     batch_size: int = Field(default=32, ge=1, le=65536)
     num_epochs: int = Field(default=1, ge=1, le=10_000)
     max_steps: int | None = Field(default=None, ge=1)
+    max_wall_s: float | None = Field(default=None, gt=0, le=10 * 365 * 86_400)
+    until_stopped: bool = False
     max_in_flight: int | None = Field(default=None, ge=1, le=1024)
     adaptive_window: bool = False
     min_stages: int = Field(default=1, ge=1, le=1024)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from ravnest_p2p.discovery.records import PeerRecord
 from ravnest_p2p.models import build_model, profile_layers, sample_input
 from ravnest_p2p.planning import JobParams, PeerCapacity, Plan, make_plan
+from ravnest_p2p.planning.window import planning_window
 from ravnest_p2p.training.job import JobSpec, StagePlacement
 from ravnest_p2p.types import LayerProfile, PeerState
 
@@ -55,10 +56,19 @@ def capacities_from_records(records: Sequence[PeerRecord]) -> list[PeerCapacity]
     return out
 
 
-def job_params(job: JobSpec, *, min_stages: int | None = None) -> JobParams:
+def job_params(job: JobSpec, *, min_stages: int | None = None, num_layers: int | None = None) -> JobParams:
+    """The planner's view of `job`; memory is budgeted for `planning_window` (see `planning.window`).
+
+    Args:
+        job: the job.
+        min_stages: overrides the job's `min_stages`.
+        num_layers: the model's layer count (the most stages a cluster can have); built if None.
+    """
+    if num_layers is None:
+        num_layers = len(build_model(job.model, job.model_params))
     return JobParams(
         micro_batch_size=job.batch_size,
-        max_in_flight=job.max_in_flight or 4,
+        max_in_flight=planning_window(job.max_in_flight, num_layers),
         min_stages=min_stages if min_stages is not None else job.min_stages,
     )
 
@@ -77,10 +87,11 @@ def plan_assignment(
     records: Sequence[PeerRecord], job: JobSpec, *, epoch: int = 0, min_stages: int | None = None
 ) -> tuple[tuple[StagePlacement, ...], ...]:
     """Clusters and stages for `job` over the live `records` (raises `InfeasiblePlan` if none fit)."""
+    layers = layer_profiles(job)
     plan = make_plan(
         capacities_from_records(records),
-        layer_profiles(job),
-        job_params(job, min_stages=min_stages),
+        layers,
+        job_params(job, min_stages=min_stages, num_layers=len(layers)),
         epoch=epoch,
     )
     return assignment_from_plan(plan)

@@ -13,6 +13,7 @@ from ravnest_p2p.discovery import KeyRegistry, discovery_keys
 from ravnest_p2p.membership import PLAN_KEY, parse_plan
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import METRICS_KEY, parse_metrics
+from ravnest_p2p.training.progress import PROGRESS_KEY, parse_progress
 
 __all__ = ["run_keys"]
 
@@ -22,10 +23,11 @@ def _parse_job(value: Any, signer_peer_id: str) -> JobSpec:
 
 
 def run_keys() -> KeyRegistry:
-    """The default registry with the schemas of ``job``, ``metrics`` and ``plan`` set."""
+    """The default registry with the schemas of ``job``, ``metrics``, ``plan`` and ``progress`` set."""
     return (
         discovery_keys()
         .with_schema("job", _parse_job)
         .with_schema(METRICS_KEY, parse_metrics)
         .with_schema(PLAN_KEY, parse_plan)
+        .with_schema(PROGRESS_KEY, parse_progress)
     )

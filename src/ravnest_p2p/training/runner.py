@@ -1,102 +1,66 @@
-"""Runs this peer's part of a job: finds its stage, builds it, trains (first stage drives), publishes metrics.
+"""Runs this peer's part of a job for one plan: builds its stage from a `StageRole`, resumes the state it
+is given, trains (the first stage drives the data from the job's position), publishes metrics and (first
+stages) the job's progress.
 
-The job comes from the run's `job` key (published by a researcher); the placement comes from the job's
-explicit `assignment` or, once the self-organising planner is active, from its plan. A peer named in
-no cluster just waits.
+The job comes from the run's `job` key (published by a researcher); the role (`training.role.role_for`)
+from the job's explicit `assignment` or the swarm's agreed plan. The `training.supervisor.JobSupervisor`
+owns the job's life across plans; a runner lives for one plan.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import resource
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 
-from ravnest_p2p.discovery import OWNERS_KEY, RunDHT, authorized_signers, dht_time
+from torch import Tensor
+
+from ravnest_p2p.discovery import RunDHT, dht_time
 from ravnest_p2p.errors import RavnestError
-from ravnest_p2p.runtime.service import PipelineConfig, StageService, default_window
+from ravnest_p2p.runtime.service import PipelineConfig, StageService
 from ravnest_p2p.training.data import ArrayDataset
-from ravnest_p2p.training.job import JobSpec, StagePlacement
+from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.jobs import JOB_KEY, pick_job, pick_job_signed, read_job, read_job_signed
 from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics
-from ravnest_p2p.training.replicas import ReplicaAverager, shard_map_for, tensor_digests
+from ravnest_p2p.training.progress import JobProgress, ProgressStore, publish_progress
+from ravnest_p2p.training.replicas import ReplicaAverager, tensor_digests
+from ravnest_p2p.training.resume import HeldState, apply_state, cluster_batches
+from ravnest_p2p.training.role import StageRole, role_for
 from ravnest_p2p.training.stage_hook import attach_stage_state
-from ravnest_p2p.training.stages import build_stage, load_dataset, steps_per_cluster, train_batches
+from ravnest_p2p.training.stage_state import StageState, capture_state
+from ravnest_p2p.training.stages import build_stage, load_dataset
 from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import TaskOwner
 
-__all__ = ["JOB_KEY", "Placement", "StageRunner", "find_placement", "pick_job", "read_job"]
+__all__ = [
+    "JOB_KEY",
+    "HeldState",
+    "Placement",
+    "StageRunner",
+    "apply_state",
+    "cluster_batches",
+    "find_placement",
+    "pick_job",
+    "pick_job_signed",
+    "read_job",
+    "read_job_signed",
+]
 
 logger = logging.getLogger(__name__)
 
-JOB_KEY = "job"
 _FINAL_METRICS_S = 30.0
+_HANDOVER_PROGRESS_S = 3.0
+
+Placement = StageRole  # the old name of a stage's place in a job
 
 
-@dataclass(frozen=True)
-class Placement:
-    epoch: int
-    cluster_index: int
-    num_clusters: int
-    stage_index: int
-    stages: tuple[StagePlacement, ...]
-
-    @property
-    def peers(self) -> list[str]:
-        return [s.peer_id for s in self.stages]
-
-
-def find_placement(job: JobSpec, peer_id: str, *, epoch: int = 0) -> Placement | None:
-    """Where `peer_id` sits in the job's explicit assignment, if anywhere."""
-    clusters = job.assignment or ()
-    for cluster_index, stages in enumerate(clusters):
-        for stage_index, stage in enumerate(stages):
-            if stage.peer_id == peer_id:
-                return Placement(epoch, cluster_index, len(clusters), stage_index, stages)
-    return None
-
-
-def pick_job(
-    found: dict[str, tuple[object, float]],
-    *,
-    run_owner: str | None = None,
-    owners: dict[str, tuple[object, float]] | None = None,
-) -> JobSpec | None:
-    """The run's job among signed `job` values ({signer: (value, expiry)}); None if none is valid.
-
-    Open run (`run_owner` None): any signer's job; the one that expires last wins. Owned run: only jobs
-    signed by the owner or by a key its ``owners`` record lists; a delegate's job counts only while that
-    record lives, and its expiry is capped at the record's (the owner's say-so bounds it). The job with
-    the latest (capped) expiry wins; on a tie the owner's. The ``job`` key's maximum TTL (one day, see
-    `discovery.keys`) caps every expiry, the owner's too.
-    """
-    allowed = authorized_signers(run_owner, owners or {}) if run_owner is not None else None
-    newest: tuple[float, bool, JobSpec] | None = None
-    for signer, (value, expiration) in found.items():
-        if allowed is not None:
-            if signer not in allowed or allowed[signer] < dht_time():
-                logger.debug("ignoring a job from %s: not an owner of this run", signer)
-                continue
-            expiration = min(expiration, allowed[signer])
-        try:
-            job = JobSpec.model_validate(value)
-        except Exception as exc:
-            logger.debug("ignoring malformed job from %s: %s", signer, exc)
-            continue
-        rank = (expiration, signer == run_owner)
-        if newest is None or rank > newest[:2]:
-            newest = (expiration, signer == run_owner, job)
-    return newest[2] if newest else None
-
-
-async def read_job(dht: RunDHT, *, run_owner: str | None = None) -> JobSpec | None:
-    """The run's current job (see `pick_job`); `run_owner` defaults to the DHT's."""
-    run_owner = run_owner if run_owner is not None else dht.run_owner
-    found = await dht.get_signed(JOB_KEY)
-    owners = await dht.get_signed(OWNERS_KEY) if run_owner is not None and found else {}
-    return pick_job(found, run_owner=run_owner, owners=owners)
+def find_placement(job: JobSpec, peer_id: str) -> StageRole | None:
+    """Where `peer_id` sits in the job's explicit assignment, if anywhere (`role_for` on it)."""
+    return role_for(job, None, peer_id)
 
 
 def _peak_rss_bytes() -> int:
@@ -104,32 +68,53 @@ def _peak_rss_bytes() -> int:
 
 
 class StageRunner:
-    """Trains one stage of one job to completion and publishes `StageMetrics` while it does."""
+    """Trains one stage of one job on one plan and publishes `StageMetrics` (and progress) while it does.
+
+    Args:
+        rpc: the peer's RPC endpoint.
+        dht: where metrics and progress go (None: nowhere, e.g. tests).
+        job: the job.
+        role: this peer's role (`role_for`); its data position and final step decide what is trained.
+        initial_state: a held stage state to resume from (`apply_state`); None: the initial weights.
+        metrics_period_s: how often metrics (and progress) are published.
+        on_metrics: called with every metrics record (tests, the status line).
+    """
 
     def __init__(
         self,
         rpc: RpcEndpoint,
-        dht: RunDHT | None,
+        dht: RunDHT | ProgressStore | None,
         job: JobSpec,
-        placement: Placement,
+        role: StageRole,
         *,
+        initial_state: StageState | None = None,
         metrics_period_s: float = 2.0,
         on_metrics: Callable[[StageMetrics], None] | None = None,
     ) -> None:
         self.rpc = rpc
         self.dht = dht
         self.job = job
-        self.placement = placement
+        self.role = role
+        self.initial_state = initial_state
         self.metrics_period_s = metrics_period_s
         self.on_metrics = on_metrics
         self.eval_loss: float | None = None
         self.eval_accuracy: float | None = None
         self.service: StageService | None = None
         self.replicas: ReplicaAverager | None = None
+        self.restored = "none"
+        self.stop_requested = asyncio.Event()  # the owner stopped the job: finish as done, soon
+        self.stop_reason: str | None = None
+        self.held_state: HeldState | None = None  # the stage's state when the run ended or was cancelled
         self._done = False
         self._failure: str | None = None
         self._datasets: tuple[ArrayDataset, ArrayDataset] | None = None
         self._tasks = TaskOwner("stage-runner")
+        self._started = time.monotonic()
+
+    @property
+    def placement(self) -> StageRole:
+        return self.role
 
     def _data(self) -> tuple[ArrayDataset, ArrayDataset]:
         """The job's (train, held-out) data, loaded once (the replica setup and the driver both need it)."""
@@ -137,19 +122,27 @@ class StageRunner:
             self._datasets = load_dataset(self.job)
         return self._datasets
 
+    def _fed(self) -> int:
+        """Micro-batches of the job this cluster fed so far (first stage), over every plan."""
+        service = self.service
+        return self.role.data_start + (service.stats.completed if service is not None else 0)
+
+    def _train_wall_s(self) -> float:
+        return self.role.train_wall_s_start + (time.monotonic() - self._started)
+
     def metrics(self) -> StageMetrics:
         service = self.service
         assert service is not None
         stats, depths = service.stats, service.queue_depths()
-        step = stats.completed if service.is_first else max(stats.forwards, stats.backwards)
+        step = self._fed() if service.is_first else max(stats.forwards, stats.backwards)
         rounds = self.replicas.rounds if self.replicas else []
         return StageMetrics(
-            epoch=self.placement.epoch,
+            epoch=self.role.epoch,
             job_id=self.job.job_id,
             peer_id=self.rpc.peer_id,
-            cluster=self.placement.cluster_index,
-            stage=self.placement.stage_index,
-            num_stages=len(self.placement.stages),
+            cluster=self.role.cluster_index,
+            stage=self.role.stage_index,
+            num_stages=self.role.num_stages,
             step=step,
             optimizer_steps=service.executor.num_steps,
             loss=stats.last_loss,
@@ -176,6 +169,30 @@ class StageRunner:
             updated_at=dht_time(),
         )
 
+    def progress(self, *, ended: bool = False, reason: str | None = None) -> JobProgress:
+        """This cluster's account of the job (first stage: data position; any stage: an end)."""
+        service = self.service
+        role = self.role
+        fed = self._fed() if role.is_first else role.data_start
+        return JobProgress(
+            job_id=self.job.job_id,
+            peer_id=self.rpc.peer_id,
+            epoch=role.epoch,
+            cluster=role.cluster_index,
+            num_clusters=role.num_clusters,
+            epoch_start=role.data_start,
+            micro_batches=fed,
+            optimizer_steps=service.executor.num_steps if service is not None else role.optimizer_steps_start,
+            samples=fed * self.job.batch_size,
+            seed=self.job.seed,
+            train_wall_s=min(self._train_wall_s(), 1e9),
+            done=self._done,
+            stopped=False,
+            ended=ended or self._done,
+            reason=(reason or self.stop_reason or ("done" if self._done else None)),
+            updated_at=dht_time(),
+        )
+
     def _param_digests(self) -> dict[str, str]:
         executor = self.service.executor if self.service else None
         if executor is None:
@@ -195,6 +212,8 @@ class StageRunner:
             self.on_metrics(metrics)
         if self.dht is None:
             return
+        if self.role.is_first:
+            await publish_progress(self.dht, self.progress(), final=final)
         deadline = time.monotonic() + (_FINAL_METRICS_S if final else 0.0)
         delay_s = 0.2
         while True:
@@ -210,7 +229,7 @@ class StageRunner:
                 logger.debug("metrics publication failed: %r", exc)
             if stored or time.monotonic() + delay_s > deadline:
                 if final and not stored:
-                    logger.warning("final metrics of stage %d not stored", self.placement.stage_index)
+                    logger.warning("final metrics of stage %d not stored", self.role.stage_index)
                 return
             await asyncio.sleep(delay_s)  # retry backoff
             delay_s = min(2 * delay_s, 5.0)
@@ -220,31 +239,40 @@ class StageRunner:
             await self.publish_metrics()
             await asyncio.sleep(self.metrics_period_s)
 
+    def _capture(self) -> None:
+        service = self.service
+        if service is None:
+            return
+        state = capture_state(service.executor)
+        self.held_state = HeldState(self.role.first_layer, self.role.end_layer, state)
+
     async def run(self) -> StageMetrics:
-        """Train this stage until the job is done (or fails); return the final metrics."""
-        job, placement = self.job, self.placement
-        stage = placement.stages[placement.stage_index]
-        window = job.max_in_flight or default_window(len(placement.stages))
+        """Train this stage until the job is done (or fails, or is stopped); return the final metrics."""
+        job, role = self.job, self.role
         adaptive = job.adaptive_window and job.schedule == "async_1f1b"
-        executor = build_stage(job, stage.first_layer, stage.end_layer, max_in_flight=window)
+        executor = build_stage(job, role.first_layer, role.end_layer, max_in_flight=role.window)
+        if self.initial_state is not None:
+            self.restored = apply_state(executor, self.initial_state)
         self.service = service = StageService(
             self.rpc,
             executor,
-            epoch=placement.epoch,
-            cluster_peers=placement.peers,
-            stage_index=placement.stage_index,
+            epoch=role.epoch,
+            cluster_peers=role.peers,
+            stage_index=role.stage_index,
             config=PipelineConfig(
-                max_in_flight=window, adaptive_window=adaptive, compression=job.compression
+                max_in_flight=role.window, adaptive_window=adaptive, compression=job.compression
             ),
         )
-        smap = shard_map_for(job, epoch=placement.epoch)
-        if smap is not None:
-            train_len = len(self._data()[0])
-            final_step = steps_per_cluster(job, train_len, placement.num_clusters) // job.update_every
+        if role.shard_map is not None:
+            remaining = role.remaining_steps
+            # the closing round comes after the optimizer step of the job's last micro-batch
+            final_step = executor.num_steps + (
+                remaining // job.update_every if remaining is not None else 2**62
+            )
             self.replicas = ReplicaAverager(
                 self.rpc,
                 executor,
-                smap,
+                role.shard_map,
                 period_steps=job.averaging_period_steps,
                 period_s=job.averaging_period_s,
                 final_step=final_step,
@@ -253,8 +281,8 @@ class StageRunner:
             service.on_step = self.replicas.on_step
         self.state_hook = await attach_stage_state(self, service)  # serves its state; checkpoints
         await service.start()
+        self._started = time.monotonic()
         self._tasks.spawn(self._metrics_loop(), name="metrics")
-        started = time.monotonic()
         cancelled = False
         try:
             if service.is_first:
@@ -262,7 +290,7 @@ class StageRunner:
             else:
                 await service.finished.wait()
             if service.failure is not None:
-                raise RavnestError(f"stage failed: {service.failure}")
+                raise RavnestError(f"stage failed: {service.failure}") from service.failure
             self._done = True
         except asyncio.CancelledError:
             cancelled = True  # e.g. restarted on a new plan: neither done nor failed
@@ -271,43 +299,85 @@ class StageRunner:
             self._failure = f"{type(exc).__name__}: {exc}"
             raise
         finally:
+            self._capture()
             await self._tasks.aclose()
             if not cancelled:
                 await self.publish_metrics(final=True)
+            elif role.is_first and self.dht is not None:
+                # handed over: the next plan resumes the data where this run stopped feeding it
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(_HANDOVER_PROGRESS_S):
+                        await publish_progress(self.dht, self.progress())
             await service.aclose()
             if self.replicas is not None:
                 await self.replicas.aclose()
         logger.info(
             "stage %d of cluster %d done in %.1fs",
-            placement.stage_index,
-            placement.cluster_index,
-            time.monotonic() - started,
+            role.stage_index,
+            role.cluster_index,
+            time.monotonic() - self._started,
         )
         return self.metrics()
 
+    def _should_stop(self) -> bool:
+        max_wall_s = self.job.max_wall_s
+        if max_wall_s is not None and self._train_wall_s() >= max_wall_s:
+            self.stop_reason = self.stop_reason or f"wall time {max_wall_s:.0f}s reached"
+            return True
+        return self.stop_requested.is_set()
+
+    def _until_stopped(self, batches: Iterator[tuple[Tensor, Tensor]]) -> Iterator[tuple[Tensor, Tensor]]:
+        for batch in batches:
+            if self._should_stop():
+                return
+            yield batch
+
     async def _drive(self, service: StageService) -> None:
-        job, placement = self.job, self.placement
+        job, role = self.job, self.role
         await service.wait_ready(timeout_s=120)
         train, held_out = self._data()
-        batches = train_batches(
-            job, train, cluster_index=placement.cluster_index, num_clusters=placement.num_clusters
+        batches = cluster_batches(
+            job,
+            train,
+            cluster_index=role.cluster_index,
+            num_clusters=role.num_clusters,
+            start=role.data_start,
+            stop=role.final_step,
         )
         eval_batches = [
             (held_out.inputs[i : i + job.eval_batch_size], held_out.labels[i : i + job.eval_batch_size])
             for i in range(0, len(held_out), job.eval_batch_size)
         ]
+        if self.restored != "none" and job.eval_every_steps:
+            # where the job resumes on this plan (e.g. to compare with where it was before a re-plan)
+            self.eval_loss, self.eval_accuracy = await service.evaluate(eval_batches)
+            logger.info(
+                "resumed at micro-batch %d: held-out loss %.4f accuracy %.4f",
+                role.data_start,
+                self.eval_loss,
+                self.eval_accuracy,
+            )
+            await self.publish_metrics()
+        gated = self._until_stopped(batches)  # lazy: the pipeline never flushes to look at a stop
         chunk = job.eval_every_steps or None
         while True:
-            part = list(itertools.islice(batches, chunk)) if chunk else list(batches)
-            if part and job.schedule == "gpipe":
+            part = list(itertools.islice(gated, chunk)) if chunk else None
+            source = iter(part) if part is not None else gated
+            if job.schedule == "gpipe":
                 # fill-drain: admit a window of micro-batches, wait until all are back, repeat
-                for start in range(0, len(part), service.window_size):
-                    await service.train(part[start : start + service.window_size])
-            elif part:
-                await service.train(part)
-            if not chunk or not part or len(part) < chunk:
+                while window := list(itertools.islice(source, service.window_size)):
+                    await service.train(window)
+            else:
+                await service.train(source)
+            if part is None or chunk is None or len(part) < chunk:
                 break
             self.eval_loss, self.eval_accuracy = await service.evaluate(eval_batches)
+            logger.info(
+                "micro-batch %d: held-out loss %.4f accuracy %.4f",
+                self._fed(),
+                self.eval_loss,
+                self.eval_accuracy,
+            )
             await self.publish_metrics()
         self.eval_loss, self.eval_accuracy = await service.evaluate(eval_batches)
         logger.info("held-out loss %.4f accuracy %.4f", self.eval_loss, self.eval_accuracy)

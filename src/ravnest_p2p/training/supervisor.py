@@ -1,0 +1,417 @@
+"""`JobSupervisor`: the one owner of a job's life on this peer.
+
+Life cycle, one pass per poll: read the run's job (and its signer, the job's owner) -> read the job's
+progress -> compute this peer's role (`role_for`, on the job's explicit assignment or the swarm's agreed
+plan) -> decide whether it may start (`progress.may_start`: never an ended or superseded job, never a
+pipeline that already moved without us) -> assemble the role's starting state (`resume`) -> run the
+stage -> on a new plan, keep the stage's state and start over on the new role with it; on the owner's
+stop, let the run finish as done; on a failure, keep the state and wait for the next plan (an agreed
+plan routes around the fault) or end the job (an explicit assignment cannot).
+
+Why one owner: the job loop used to live in the node and re-derive the role, restart from the initial
+weights on every plan change, and forget in a restarted process that a job had ended. Here the life
+cycle is one object over injected seams (DHT, plan source, runner factory, state source, suspect
+reporter), unit-tested with in-memory fakes; `node.py` only wires the real ones.
+
+Known limits (see docs/elastic.md): every stage of every cluster restarts on a new plan (clusters that
+did not change are not kept running); state moves between peers only through a `StateSource`, which the
+checkpoint helper's `fetch_state` provides; without one, a stage keeps what this process held and other
+layers start from the initial weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Collection
+from typing import Any
+
+from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.jobs import read_job_signed
+from ravnest_p2p.training.progress import (
+    JobProgress,
+    ProgressStore,
+    ProgressView,
+    may_start,
+    publish_progress,
+    read_progress,
+)
+from ravnest_p2p.training.resume import HeldState, StateSource, freshest_first, gather_state, state_sources
+from ravnest_p2p.training.role import StageRole, role_for
+from ravnest_p2p.training.stage_state import StageState
+from ravnest_p2p.training.supervisor_seams import (
+    PlanSource,
+    RunnerFactory,
+    StageRun,
+    SupervisorConfig,
+    SuspectReporter,
+    WorkloadFactory,
+    awaited,
+    lost_neighbour,
+    rerun_allowed,
+)
+from ravnest_p2p.types import PeerState
+from ravnest_p2p.utils import TaskOwner
+
+__all__ = [
+    "JobSupervisor",
+    "PlanSource",
+    "RunnerFactory",
+    "StageRun",
+    "SupervisorConfig",
+    "SuspectReporter",
+    "rerun_allowed",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class JobSupervisor:
+    """Drives this peer's part of the run's job across plans (see module docstring).
+
+    Args:
+        config: poll period, read deadline, drain grace.
+        peer_id: this peer.
+        dht: job, progress (and, through the runner, metrics) live here.
+        plans: the membership's agreed plans (None: only explicit assignments run).
+        workload: (job params, layer profile) of a job, for the membership to plan with.
+        start_runner: builds the runner of a role from its starting state.
+        state_source: fetches other peers' stage state and checkpoints (None: only our own).
+        suspects: reports a dead neighbour to the membership (None: wait for the record to expire).
+        alive: the peers believed alive now (None: every member of the previous plan).
+        prepare: awaited before a role runs (e.g. learn its peers' addresses).
+        on_state: told when this peer starts/stops training or drains (the announcer's record).
+        serve_to: lets the new plan's peers fetch the state this peer held on an older plan of a job
+            (job id, old epoch, peer ids): the hand-over server's allow-list.
+    """
+
+    def __init__(
+        self,
+        config: SupervisorConfig,
+        *,
+        peer_id: str,
+        dht: ProgressStore,
+        plans: PlanSource | None,
+        workload: WorkloadFactory | None,
+        start_runner: RunnerFactory,
+        state_source: StateSource | None = None,
+        suspects: SuspectReporter | None = None,
+        alive: Callable[[], Collection[str]] | None = None,
+        prepare: Callable[[StageRole], Awaitable[None]] | None = None,
+        on_state: Callable[[PeerState], None] | None = None,
+        serve_to: Callable[[str, int, frozenset[str]], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.peer_id = peer_id
+        self.dht = dht
+        self.plans = plans
+        self.workload = workload
+        self.start_runner = start_runner
+        self.state_source = state_source
+        self.suspects = suspects
+        self.alive = alive
+        self.prepare = prepare
+        self.on_state = on_state
+        self.serve_to = serve_to
+        self.finished: set[str] = set()  # jobs this peer will not run again
+        self.role: StageRole | None = None
+        self.runner: StageRun | None = None
+        self.last_origin: dict[str, str] = {}  # where the last run's state came from, by layer span
+        self.runs: list[StageRole] = []  # every role this supervisor started, in order (tests, status)
+        self._failed_epoch: dict[str, tuple[int, int]] = {}  # job -> (epoch it last failed on, failures)
+        self._failed_at = -1e18  # loop time of the last failure
+        self._ran: set[tuple[str, int]] = set()  # (job, epoch) this process started
+        self._held: dict[str, HeldState] = {}  # job -> the stage state this process holds
+        self._previous: dict[str, StageRole] = {}  # job -> the role it last ran (its plan and epoch)
+        self._workload_job: str | None = None
+        self._refused: tuple[str, int] | None = None
+        self._draining = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tasks = TaskOwner(f"supervisor-{peer_id[-6:]}")
+
+    # ----- the loop --------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Supervise jobs until cancelled or drained."""
+        while not self._draining.is_set():
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # one bad pass (a DHT hiccup, a bad record) never ends the loop
+                logger.warning("job supervision pass failed: %r", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._draining.wait(), self.config.poll_s)
+
+    async def step(self) -> StageRole | None:
+        """One pass: read the job, compute the role, and run it if allowed (returns the role run)."""
+        found = await self._read(read_job_signed(self.dht))
+        if found is None:
+            return None
+        owner, job = found
+        if job.job_id in self.finished:
+            return None
+        progress = await self._read(read_progress(self.dht, job.job_id, owner_peer_id=owner))
+        role = await self._role(job, progress)
+        if role is None:
+            if progress is not None and progress.finished:
+                self.finished.add(job.job_id)
+            return None
+        allowed, why = may_start(
+            progress, epoch=role.epoch, holds_state=(job.job_id, role.epoch) in self._ran
+        )
+        if not allowed:
+            if progress is not None and progress.finished:
+                self.finished.add(job.job_id)
+            if self._refused != (job.job_id, role.epoch):
+                self._refused = (job.job_id, role.epoch)
+                logger.info("job %s: not running stage %d here: %s", job.job_id, role.stage_index, why)
+            return None
+        failed_epoch, failures = self._failed_epoch.get(job.job_id, (None, 0))
+        if role.on_agreed_plan and not rerun_allowed(
+            failed_epoch, role.epoch, failures=failures, retries_per_plan=self.config.retries_per_plan
+        ):
+            return None
+        since_failure_s = asyncio.get_running_loop().time() - self._failed_at
+        if role.epoch == failed_epoch and since_failure_s < self.config.retry_delay_s:
+            return None  # a dead neighbour's re-plan usually comes within this delay: run there instead
+        await self._run(job, owner, role, progress)
+        return role
+
+    async def _read(self, coro: Awaitable[Any]) -> Any:
+        try:
+            async with asyncio.timeout(self.config.read_timeout_s):
+                return await coro
+        except Exception as exc:
+            logger.debug("reading the job state failed: %r", exc)
+            return None
+
+    async def _role(self, job: JobSpec, progress: ProgressView | None) -> StageRole | None:
+        if job.assignment is not None:
+            return role_for(job, None, self.peer_id, progress=progress)
+        if self.plans is None or self.workload is None:
+            return None
+        if self._workload_job != job.job_id:
+            params, layers = await self.workload(job)
+            self.plans.set_workload(job.job_id, params, layers)
+            self._workload_job = job.job_id
+        plan = self.plans.active_plan
+        if plan is None or self.plans.active_workload != job.job_id:
+            return None
+        return role_for(job, plan, self.peer_id, progress=progress)
+
+    # ----- one run -----------------------------------------------------------------------------------
+    async def _starting_state(self, role: StageRole, progress: ProgressView | None) -> StageState | None:
+        held = self._held.get(role.job_id)
+        previous = self._previous.get(role.job_id)
+        if previous is None or previous.epoch == role.epoch:
+            # the job's first plan here, or a retry on the same plan (nothing moved)
+            return (
+                held.state
+                if held is not None and previous is not None and role.same_stage(previous)
+                else None
+            )
+        allowed = previous.plan_peers
+        alive = set(self.alive()) if self.alive is not None else set(allowed)
+        order = freshest_first(
+            progress.positions if progress is not None else {},
+            epoch=previous.epoch,
+            num_clusters=previous.num_clusters,
+            prefer=role.cluster_index,
+        )
+        segments = state_sources(previous.assignment, role, alive=alive, cluster_order=order)
+        state, self.last_origin = await gather_state(
+            role,
+            segments,
+            held=held,
+            source=self.state_source,
+            allowed=allowed,
+            previous_epoch=previous.epoch,
+        )
+        logger.info("job %s: stage state from %s", role.job_id, self.last_origin)
+        return state
+
+    async def _run(self, job: JobSpec, owner: str, role: StageRole, progress: ProgressView | None) -> None:
+        logger.info(
+            "job %s: stage %d of %d in cluster %d (epoch %d, from micro-batch %d)",
+            job.job_id,
+            role.stage_index,
+            role.num_stages,
+            role.cluster_index,
+            role.epoch,
+            role.data_start,
+        )
+        self.role = role
+        self.runs.append(role)
+        self._ran.add((job.job_id, role.epoch))
+        self._set_state(PeerState.TRAINING)
+        self._idle.clear()
+        try:
+            previous = self._previous.get(job.job_id)
+            if self.serve_to is not None and previous is not None and previous.epoch != role.epoch:
+                # the new owners pull from us (the old plan's peers may still ask too)
+                self.serve_to(job.job_id, previous.epoch, previous.plan_peers | role.plan_peers)
+            # learning addresses and pulling state may wait on a peer that died: not past a plan change
+            prepared = await self._unless_plan_moves(role, self._prepare_state(role, progress))
+            if prepared is None:
+                logger.info("job %s: the plan moved while stage %d prepared", job.job_id, role.stage_index)
+                return
+            (state,) = prepared
+            placed = job.model_copy(update={"assignment": role.assignment})
+            runner = self.runner = self.start_runner(placed, role, state)
+            task = self._tasks.spawn(runner.run(), name=f"job-{job.job_id}-{role.epoch}")
+            try:
+                await self._watch(job, owner, role, runner, task)
+            except asyncio.CancelledError:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                raise
+        finally:
+            self._idle.set()
+            self._set_state(PeerState.READY if not self._draining.is_set() else PeerState.DRAINING)
+
+    async def _prepare_state(
+        self, role: StageRole, progress: ProgressView | None
+    ) -> tuple[StageState | None]:
+        if self.prepare is not None:
+            await self.prepare(role)
+        if progress is None and self._previous.get(role.job_id) is not None:
+            # which replica is freshest comes from the progress: one more read if the first failed
+            progress = await self._read(read_progress(self.dht, role.job_id, owner_peer_id=None))
+        return (await self._starting_state(role, progress),)
+
+    async def _unless_plan_moves(self, role: StageRole, coro: Awaitable[Any]) -> Any:
+        """Await `coro`, or cancel it and return None once the agreed plan moves past `role`'s."""
+        task = self._tasks.spawn(awaited(coro), name=f"prepare-{role.job_id}-{role.epoch}")
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=self.config.poll_s)
+                plan = self.plans.active_plan if self.plans is not None else None
+                moved = role.on_agreed_plan and plan is not None and plan.epoch != role.epoch
+                if not task.done() and (moved or self._draining.is_set()):
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+                    return None
+            return task.result()
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+
+    async def _watch(
+        self, job: JobSpec, owner: str, role: StageRole, runner: StageRun, task: asyncio.Task[Any]
+    ) -> None:
+        while not task.done():
+            await asyncio.wait({task}, timeout=self.config.poll_s)
+            if task.done():
+                break
+            plan = self.plans.active_plan if self.plans is not None else None
+            if self._draining.is_set() or (
+                role.on_agreed_plan and plan is not None and plan.epoch != role.epoch
+            ):
+                why = (
+                    "draining"
+                    if self._draining.is_set()
+                    else f"plan moved to epoch {plan.epoch if plan else '?'}"
+                )
+                logger.info("job %s: %s; handing the stage over", job.job_id, why)
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                self._keep(role, runner)
+                return
+            progress = await self._read(read_progress(self.dht, job.job_id, owner_peer_id=owner))
+            if progress is not None and progress.stopped and not runner.stop_requested.is_set():
+                logger.info("job %s: stopped by its owner; finishing", job.job_id)
+                runner.stop_requested.set()
+        try:
+            task.result()
+        except Exception as exc:
+            self._keep(role, runner)
+            await self._on_failure(job, role, exc)
+            return
+        self._keep(role, runner)
+        self.finished.add(job.job_id)
+        logger.info("job %s finished here", job.job_id)
+
+    def _keep(self, role: StageRole, runner: StageRun) -> None:
+        if runner.held_state is not None:
+            self._held[role.job_id] = runner.held_state
+        self._previous[role.job_id] = role
+
+    async def _on_failure(self, job: JobSpec, role: StageRole, exc: BaseException) -> None:
+        logger.error("job %s failed on this peer: %s", job.job_id, exc)
+        lost = lost_neighbour(exc)
+        if lost is not None and self.suspects is not None:
+            # the membership verifies (pings) and opens a new epoch without waiting for the record to expire
+            self.suspects.report_suspect(lost, f"stage {role.stage_index}: {exc}"[:200])
+        if role.on_agreed_plan:
+            # e.g. a pipeline partner died: the swarm re-plans without it, and we run again there
+            failed_epoch, failures = self._failed_epoch.get(job.job_id, (None, 0))
+            failures = failures + 1 if failed_epoch == role.epoch else 1
+            self._failed_epoch[job.job_id] = (role.epoch, failures)
+            self._failed_at = asyncio.get_running_loop().time()
+            return
+        # an explicit assignment cannot route around the fault: the job has ended (a peer restarted
+        # with the same identity must not pick it back up)
+        self.finished.add(job.job_id)
+        record = JobProgress(
+            job_id=job.job_id,
+            peer_id=self.peer_id,
+            epoch=role.epoch,
+            cluster=role.cluster_index,
+            num_clusters=role.num_clusters,
+            ended=True,
+            reason=f"stage {role.stage_index} of cluster {role.cluster_index} failed: {exc}"[:500],
+        )
+        await publish_progress(self.dht, record, final=True)
+
+    def _set_state(self, state: PeerState) -> None:
+        if self.on_state is not None:
+            self.on_state(state)
+
+    # ----- leaving -----------------------------------------------------------------------------------
+    def held(self, job_id: str) -> HeldState | None:
+        """The stage state this process holds for `job_id` (what a hand-over server serves)."""
+        return self._held.get(job_id)
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Leave gracefully: stop training, announce draining, keep the state for the new owners.
+
+        Returns once the swarm's plan no longer names this peer, or after `grace_s` (default the
+        config's `drain_grace_s`), whichever comes first; the caller then closes the peer.
+        """
+        grace = self.config.drain_grace_s if grace_s is None else grace_s
+        was_running = not self._idle.is_set()
+        self._draining.set()
+        self._set_state(PeerState.DRAINING)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        # the watch loop hands the stage over within a poll (the runner captures its state when cancelled)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - loop.time()))
+        if not was_running:
+            return  # nothing of ours is in a pipeline now: nobody waits for our state
+        role = self.role
+        if role is None or not role.on_agreed_plan:
+            return
+        while loop.time() < deadline:
+            plan = self.plans.active_plan if self.plans is not None else None
+            if plan is None:
+                return
+            if plan.epoch != role.epoch and self.peer_id not in {
+                p for c in plan.clusters for p in c.peer_ids
+            }:
+                return
+            # a leaving peer's own membership may never activate the plan that leaves it out: the job's
+            # progress tells when the new plan's pipelines train (they pulled their state before)
+            progress = await self._read(read_progress(self.dht, role.job_id, owner_peer_id=None))
+            if progress is not None and progress.epoch > role.epoch and progress.started_epoch:
+                return
+            await asyncio.sleep(min(0.5, self.config.poll_s))  # polls, bounded by the grace
+
+    async def aclose(self) -> None:
+        self._draining.set()
+        await self._tasks.aclose()
