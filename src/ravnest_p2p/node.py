@@ -78,6 +78,9 @@ class PeerConfig(BaseModel):
     check_identity_free: bool = True
     job_poll_s: float = Field(default=2.0, gt=0)
     drain_grace_s: float = Field(default=30.0, ge=0, le=300)
+    # where this peer keeps its stages' checkpoints when a job asks for them (None: $RAVNEST_CHECKPOINT_DIR,
+    # else none are kept)
+    checkpoint_dir: Path | None = None
     probe: ProbeConfig = ProbeConfig()
     membership: MembershipConfig = MembershipConfig()
     emulate: EmulationConfig | None = None
@@ -140,7 +143,7 @@ class Peer:
             plans=self.membership,
             workload=_workload,
             start_runner=self._start_runner,
-            state_source=HandoverStateSource(self.rpc),
+            state_source=HandoverStateSource(self.rpc, checkpoint_dir=config.checkpoint_dir),
             suspects=self.membership,
             serve_to=self._serve_state_to,
             alive=lambda: set(self.directory.peers),  # draining peers still serve their state
@@ -216,7 +219,10 @@ class Peer:
         return runner if isinstance(runner, StageRunner) else None
 
     def _start_runner(self, job: JobSpec, role: StageRole, state: StageState | None) -> StageRunner:
-        return StageRunner(self.rpc, self.dht, job, role, initial_state=state)
+        report = self.membership.report_misbehaviour if self.membership is not None else None
+        runner = StageRunner(self.rpc, self.dht, job, role, initial_state=state, on_exclude=report)
+        runner.checkpoint_dir = self.config.checkpoint_dir
+        return runner
 
     def _serve_state_to(self, job_id: str, epoch: int, peer_ids: frozenset[str]) -> None:
         HandoverServer.of(self.rpc).allow(job_id, peer_ids, epoch=epoch)

@@ -16,6 +16,7 @@ import logging
 import resource
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from torch import Tensor
 
@@ -32,7 +33,7 @@ from ravnest_p2p.training.resume import HeldState, apply_state, cluster_batches
 from ravnest_p2p.training.role import StageRole, role_for
 from ravnest_p2p.training.stage_hook import attach_stage_state
 from ravnest_p2p.training.stage_state import StageState, capture_state
-from ravnest_p2p.training.stages import build_stage, load_dataset
+from ravnest_p2p.training.stages import build_stage, label_spec, load_dataset
 from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import TaskOwner
 
@@ -90,8 +91,12 @@ class StageRunner:
         initial_state: StageState | None = None,
         metrics_period_s: float = 2.0,
         on_metrics: Callable[[StageMetrics], None] | None = None,
+        on_exclude: Callable[[str, str], None] | None = None,
     ) -> None:
         self.rpc = rpc
+        # (peer id, reason) of a sender the stage's ledger excluded: the node reports it to membership
+        self.on_exclude = on_exclude
+        self.checkpoint_dir: Path | None = None  # where to keep checkpoints (set by the node), see stage_hook
         self.dht = dht
         self.job = job
         self.role = role
@@ -262,7 +267,9 @@ class StageRunner:
             config=PipelineConfig(
                 max_in_flight=role.window, adaptive_window=adaptive, compression=job.compression
             ),
+            label_spec=label_spec(job),  # a middle stage refuses out-of-range labels it would relay
         )
+        service.on_exclude = self.on_exclude
         if role.shard_map is not None:
             remaining = role.remaining_steps
             # the closing round comes after the optimizer step of the job's last micro-batch

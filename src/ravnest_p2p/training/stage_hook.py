@@ -232,7 +232,7 @@ async def attach_stage_state(runner: Any, service: StageService) -> StageStateHo
         epoch=placement.epoch,
         allowed=members | set(job.state_readers),
         tasks=runner._tasks,  # the runner's task owner closes the announcements with the run
-        checkpoint=checkpoint_config_for(job, getattr(runner, "checkpoint_dir", None)),
+        checkpoint=checkpoint_config_for(job, runner.checkpoint_dir),
         progress=progress,
     )
     if job.init_checkpoint is not None and executor.weight_version == 0:  # nothing restored it yet

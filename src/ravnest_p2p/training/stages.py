@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from torch import Tensor
 
 from ravnest_p2p.models import build_model, get_model_spec, parse_config, sample_input, trace_output_specs
+from ravnest_p2p.models.spec import TensorSpec
 from ravnest_p2p.runtime.config import StageConfig
 from ravnest_p2p.runtime.stage import StageExecutor
 from ravnest_p2p.training.data import (
@@ -24,11 +25,16 @@ from ravnest_p2p.training.data import (
 )
 from ravnest_p2p.training.job import JobSpec
 
-__all__ = ["build_stage", "load_dataset", "num_layers", "steps_per_cluster", "train_batches"]
+__all__ = ["build_stage", "label_spec", "load_dataset", "num_layers", "steps_per_cluster", "train_batches"]
 
 
 def num_layers(job: JobSpec) -> int:
     return len(build_model(job.model, job.model_params))
+
+
+def label_spec(job: JobSpec) -> TensorSpec:
+    """What the job's labels look like (dtype, shape, classes): every stage checks the labels it relays."""
+    return get_model_spec(job.model).label_spec(parse_config(job.model, job.model_params))
 
 
 def build_stage(job: JobSpec, first_layer: int, end_layer: int, *, max_in_flight: int) -> StageExecutor:
