@@ -81,13 +81,29 @@ def _row_masks(allowed: np.ndarray) -> list[int]:
     return [int(sum(1 << int(c) for c in np.flatnonzero(row))) for row in allowed]
 
 
-def _kuhn(adjacency: Sequence[int], size: int, *, perfect: bool) -> tuple[int, list[int]]:
-    """Kuhn's augmenting paths on bitmask rows.
+def _kuhn(
+    adjacency: Sequence[int], size: int, *, perfect: bool, start: Sequence[int] | None = None
+) -> tuple[int, list[int]]:
+    """Kuhn's augmenting paths on bitmask rows, optionally warm-started.
+
+    Args:
+        adjacency: row ``r`` may match column ``c`` iff bit ``c`` of ``adjacency[r]`` is set.
+        size: number of columns.
+        perfect: stop at the first row that cannot be matched.
+        start: a ``row_of_col`` to start from; pairs no longer allowed by ``adjacency`` are dropped.
 
     Returns:
         ``(matched, row_of_col)``; with ``perfect=True`` it stops at the first unmatched row.
     """
     row_of_col = [-1] * size
+    matched = 0
+    is_matched = [False] * len(adjacency)
+    if start is not None:
+        for col, row in enumerate(start):
+            if row >= 0 and (adjacency[row] >> col) & 1:
+                row_of_col[col] = row
+                is_matched[row] = True
+                matched += 1
 
     def augment(row: int, visited: list[int]) -> bool:
         candidates = adjacency[row] & ~visited[0]
@@ -103,8 +119,9 @@ def _kuhn(adjacency: Sequence[int], size: int, *, perfect: bool) -> tuple[int, l
                 return True
         return False
 
-    matched = 0
     for row in range(len(adjacency)):
+        if is_matched[row]:
+            continue
         if augment(row, [0]):
             matched += 1
         elif perfect:
@@ -134,9 +151,19 @@ def bottleneck_matching(weights: np.ndarray) -> tuple[float, tuple[int, ...]]:
     lower = max(float(weights.min(axis=1).max()), float(weights.min(axis=0).max()))
     levels = np.unique(weights[weights >= lower])
 
+    # Warm starts keep the search cheap: a matching found at a lower threshold stays valid at any
+    # higher one, and a perfect matching at a higher threshold keeps its pairs below a lower one.
+    below: list[int] | None = None  # largest partial matching seen at an infeasible level
+    above: list[int] | None = None  # perfect matching at the lowest feasible level so far
+
     def feasible(index: int) -> list[int] | None:
-        matched, row_of_col = _kuhn(_row_masks(weights <= levels[index]), size, perfect=True)
-        return row_of_col if matched == size else None
+        nonlocal below
+        masks = _row_masks(weights <= levels[index])
+        matched, row_of_col = _kuhn(masks, size, perfect=True, start=below or above)
+        if matched == size:
+            return row_of_col
+        below = row_of_col
+        return None
 
     best = feasible(0)
     lo = 0
@@ -144,13 +171,14 @@ def bottleneck_matching(weights: np.ndarray) -> tuple[float, tuple[int, ...]]:
         lo, hi = 1, len(levels) - 1  # the last level allows every pair: always feasible
         best = feasible(hi)
         assert best is not None
+        above = best
         while lo < hi:
             mid = (lo + hi) // 2
             found = feasible(mid)
             if found is None:
                 lo = mid + 1
             else:
-                hi, best = mid, found
+                hi, best, above = mid, found, found
     col_of_row = [0] * size
     for col, row in enumerate(best):
         col_of_row[row] = col

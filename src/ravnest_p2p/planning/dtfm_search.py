@@ -40,11 +40,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from ravnest_p2p.planning.dtfm import CostModel, Placement, max_matching_size, open_loop_tsp, random_placement
+from ravnest_p2p.planning.dtfm_anneal import SwapState, anneal, calibrate_temperature
+from ravnest_p2p.planning.dtfm_paths import EXACT_TSP_LIMIT
+from ravnest_p2p.planning.dtfm_structure import find_sites, structured_placements, twin_classes
 
 __all__ = ["SearchConfig", "SearchResult", "find_sites", "hybrid_search", "structured_placements"]
 
 _SOFT_GAP = 0.5
 _DP_MEAN_WEIGHT = 0.1
+_REHEAT = 0.3  # later annealing cycles start at this fraction of the calibrated temperature
+_COOL_TO = 1e-3  # every cycle cools down to this fraction of it
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,12 @@ class SearchConfig:
         structure_seeds: seed the population with the site layouts (off = the paper's plain start).
         site_tolerance: links within this factor of the cheapest link count as co-located.
         stall_s: also stop once the best cost has not improved for this much CPU time (None: never).
+        method: ``"anneal"`` (default: annealing cycles from the best start) or ``"ga"`` (the hybrid
+            GA of the paper with our surrogate and site moves).
+        anneal_moves: swap proposals in the first annealing cycle (each later cycle doubles it, up to
+            32x: bit-reproducible); 0 (default) schedules cycles by CPU time instead: half the budget,
+            then half of what is left, and so on.
+        tsp_exact_limit: stage counts up to which the pipeline path is solved exactly in the loop.
     """
 
     cpu_budget_s: float = 60.0
@@ -68,6 +79,9 @@ class SearchConfig:
     structure_seeds: bool = True
     site_tolerance: float = 1.25
     stall_s: float | None = None
+    method: str = "anneal"
+    anneal_moves: int = 0
+    tsp_exact_limit: int = EXACT_TSP_LIMIT
 
 
 @dataclass(frozen=True)
@@ -82,79 +96,8 @@ class SearchResult:
     cpu_s: float
     initial_best_cost: float
     best_found_cpu_s: float
-
-
-def _twin_classes(model: CostModel) -> np.ndarray:
-    """Class id per device; devices with identical rows (except their mutual entry) share a class."""
-    n = model.num_devices
-    labels = np.full(n, -1)
-    mats = (model.dp_weights, model.pp_weights)
-    next_label = 0
-    for u in range(n):
-        if labels[u] >= 0:
-            continue
-        labels[u] = next_label
-        for v in range(u + 1, n):
-            if labels[v] >= 0:
-                continue
-            mask = np.ones(n, dtype=bool)
-            mask[[u, v]] = False
-            if all(np.array_equal(m[u, mask], m[v, mask]) for m in mats):
-                labels[v] = next_label
-        next_label += 1
-    return labels
-
-
-def find_sites(model: CostModel, tolerance: float = 1.25) -> tuple[tuple[int, ...], ...]:
-    """Co-located device sets: connected components of links within ``tolerance`` x the cheapest link."""
-    n = model.num_devices
-    off = ~np.eye(n, dtype=bool)
-    threshold = float(model.pp_weights[off].min()) * tolerance
-    close = (model.pp_weights <= threshold) & off
-    site = np.full(n, -1)
-    sites: list[tuple[int, ...]] = []
-    for start in range(n):
-        if site[start] >= 0:
-            continue
-        stack, members = [start], []
-        site[start] = len(sites)
-        while stack:
-            u = stack.pop()
-            members.append(u)
-            for v in np.flatnonzero(close[u]):
-                if site[v] < 0:
-                    site[v] = len(sites)
-                    stack.append(int(v))
-        sites.append(tuple(sorted(members)))
-    return tuple(sites)
-
-
-def structured_placements(model: CostModel, sites: Sequence[Sequence[int]]) -> list[Placement]:
-    """The two site-aware layouts: sites filling stage groups, and sites carrying pipeline segments."""
-    stages, replicas = model.workload.num_stages, model.workload.num_replicas
-    by_size = sorted(sites, key=lambda s: (-len(s), s[0]))
-    flat = [d for s in by_size for d in s]
-    stage_major = tuple(tuple(sorted(flat[i * replicas : (i + 1) * replicas])) for i in range(stages))
-    # Pipeline-major: the grid has one row per replica, one column per stage; pack site pieces into
-    # rows, each piece into the least-filled row it fits, so equal pieces line up in the same columns
-    # and the pipeline edges between those columns stay inside sites for every replica.
-    rows: list[list[int]] = [[] for _ in range(replicas)]
-    pieces = [list(s[i : i + stages]) for s in by_size for i in range(0, len(s), stages)]
-    pieces.sort(key=lambda p: -len(p))
-    for piece in pieces:
-        while piece:
-            fits = [r for r in range(replicas) if len(rows[r]) + len(piece) <= stages]
-            if fits:
-                target = min(fits, key=lambda r: (len(rows[r]), r))
-                rows[target] += piece
-                piece = []
-            else:
-                target = min(range(replicas), key=lambda r: (len(rows[r]), r))
-                room = stages - len(rows[target])
-                rows[target] += piece[:room]
-                piece = piece[room:]
-    pipeline_major = tuple(tuple(sorted(rows[r][s] for r in range(replicas))) for s in range(stages))
-    return [stage_major, pipeline_major]
+    curve: tuple[tuple[float, float], ...] = ()
+    """``(cpu_s, best cost so far)`` at every improvement (upper bounds above the exact TSP limit)."""
 
 
 class _Scorer:
@@ -162,7 +105,7 @@ class _Scorer:
 
     def __init__(self, model: CostModel):
         self.model = model
-        self.classes = _twin_classes(model)
+        self.classes = twin_classes(model)
         self.evaluations = 0
         self._group: dict[tuple[int, ...], float] = {}
         self._edge: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, float]] = {}
@@ -324,11 +267,14 @@ def hybrid_search(
         The best placement seen, with its DT-FM cost and stage order.
     """
     config = config or SearchConfig()
+    if config.method not in ("anneal", "ga"):
+        raise ValueError(f"unknown search method {config.method!r}")
     rng = np.random.default_rng(config.seed)
     started = clock()
 
     best_cost = np.inf
     best_found = 0.0
+    curve: list[tuple[float, float]] = []
 
     def out_of_time() -> bool:
         now = clock() - started
@@ -339,11 +285,14 @@ def hybrid_search(
         nonlocal best_cost, best_found
         if not np.isfinite(best_cost) or score[0] < best_cost - 1e-9 * max(1.0, best_cost):
             best_cost, best_found = score[0], clock() - started
+            curve.append((best_found, best_cost))
 
-    scorer = _Scorer(model)
-    n = model.num_devices
     sites = find_sites(model, config.site_tolerance)
     starts: list[Placement] = structured_placements(model, sites) if config.structure_seeds else []
+    if config.method == "anneal":
+        return _anneal_search(model, config, rng, starts, out_of_time, note, clock, started, curve)
+    scorer = _Scorer(model)
+    n = model.num_devices
     while len(starts) < config.population_size:
         starts.append(random_placement(model.workload, rng))
     population: list[tuple[tuple[float, float], Placement]] = []
@@ -385,4 +334,93 @@ def hybrid_search(
         cpu_s=clock() - started,
         initial_best_cost=initial_best,
         best_found_cpu_s=best_found,
+        curve=tuple(curve),
     )
+
+
+def _anneal_search(
+    model: CostModel,
+    config: SearchConfig,
+    rng: np.random.Generator,
+    starts: list[Placement],
+    out_of_time: Callable[[], bool],
+    note: Callable[[tuple[float, float]], None],
+    clock: Callable[[], float],
+    started: float,
+    curve: list[tuple[float, float]],
+) -> SearchResult:
+    """Annealing cycles (geometric cooling, doubling length) restarted from the best placement so far."""
+    limit = config.tsp_exact_limit
+    classes = twin_classes(model)
+    candidates = [*starts, random_placement(model.workload, rng)]
+    states = [SwapState(model, p, limit) for p in candidates]
+    state = min(states, key=lambda s: s.cost)
+    best, best_exact = state.placement(), model.cost(state.placement())
+    initial_best = best_exact
+    note((best_exact, 0.0))
+    temperature = calibrate_temperature(state, classes, rng)
+    cycles = proposals = 0
+    while cycles < config.max_generations and not out_of_time():
+        progress = _schedule(config, cycles, clock, started, out_of_time)
+        outcome = anneal(
+            state,
+            classes,
+            rng,
+            start_temperature=temperature if cycles == 0 else temperature * _REHEAT,
+            end_temperature=temperature * _COOL_TO,
+            progress=progress,
+            on_best=lambda s: note((s.cost, 0.0)),
+        )
+        cycles += 1
+        proposals += outcome.moves
+        exact = model.cost(outcome.placement) if len(best) > limit else outcome.cost
+        if exact < best_exact - 1e-12 * max(1.0, best_exact):
+            best, best_exact = outcome.placement, exact
+            note((exact, 0.0))
+        state = SwapState(model, best, limit)
+    length, order = model.pp_cost(best)
+    return SearchResult(
+        placement=best,
+        cost=model.dp_cost(best) + length,
+        stage_order=order,
+        generations=cycles,
+        evaluations=proposals,
+        cpu_s=clock() - started,
+        initial_best_cost=initial_best,
+        best_found_cpu_s=curve[-1][0] if curve else 0.0,
+        curve=tuple(curve),
+    )
+
+
+def _schedule(
+    config: SearchConfig,
+    cycle: int,
+    clock: Callable[[], float],
+    started: float,
+    out_of_time: Callable[[], bool],
+) -> Callable[[int], float]:
+    """Progress of annealing cycle ``cycle``: by proposals when ``anneal_moves`` is set, else by CPU time.
+
+    By CPU time, cycle 0 gets half the budget and each later cycle half of what is left (so the search
+    is anytime: every cycle restarts from the best so far, cooler and shorter). By proposals, cycle
+    ``c`` makes ``anneal_moves x 2^min(c, 5)`` of them: bit-reproducible, independent of the machine.
+    """
+    if config.anneal_moves > 0:
+        moves = config.anneal_moves * 2 ** min(cycle, 5)
+
+        def by_moves(done: int) -> float:
+            if done % 16 == 0 and out_of_time():
+                return 1.0
+            return done / moves
+
+        return by_moves
+    begin = clock() - started
+    span = max((config.cpu_budget_s - begin) / 2, 1e-6)
+    latest = [0.0]
+
+    def by_time(done: int) -> float:
+        if done % 16 == 0:
+            latest[0] = 1.0 if out_of_time() else (clock() - started - begin) / span
+        return latest[0]
+
+    return by_time
