@@ -186,17 +186,28 @@ def bottleneck_matching(weights: np.ndarray) -> tuple[float, tuple[int, ...]]:
 
 
 @lru_cache(maxsize=32)
-def _masks_by_size(n: int) -> tuple[np.ndarray, ...]:
+def _held_karp_layers(n: int) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
+    """Per subset size ``k >= 2``: (subsets, last node, subset without it) of every (subset, last) pair."""
     masks = np.arange(1 << n)
     counts = np.array([bin(m).count("1") for m in range(1 << n)])
-    return tuple(masks[counts == k] for k in range(n + 1))
+    layers = []
+    for k in range(2, n + 1):
+        sel_all, last_all = [], []
+        for j in range(n):
+            sel = masks[(counts == k) & ((masks >> j) & 1 == 1)]
+            sel_all.append(sel)
+            last_all.append(np.full(len(sel), j))
+        sel_cat, last_cat = np.concatenate(sel_all), np.concatenate(last_all)
+        layers.append((sel_cat, last_cat, sel_cat ^ (1 << last_cat)))
+    return tuple(layers)
 
 
 def open_loop_tsp(distances: np.ndarray) -> tuple[float, tuple[int, ...]]:
     """Shortest Hamiltonian path (any start, any end) through a symmetric or asymmetric matrix.
 
     Returns:
-        ``(length, order)``; exact (Held-Karp). Ties go to the lowest indices.
+        ``(length, order)``; exact (Held-Karp, one vectorised step per subset size). Ties go to the
+        lowest indices.
     """
     n = distances.shape[0]
     if n <= 1:
@@ -206,19 +217,15 @@ def open_loop_tsp(distances: np.ndarray) -> tuple[float, tuple[int, ...]]:
     parent = np.full((1 << n, n), -1, dtype=np.int64)
     for j in range(n):
         cost[1 << j, j] = 0.0
-    by_size = _masks_by_size(n)
-    for k in range(2, n + 1):
-        masks = by_size[k]
-        for j in range(n):
-            sel = masks[(masks >> j) & 1 == 1]
-            prev = sel ^ (1 << j)
-            options = cost[prev] + distances[:, j][None, :]
-            arg = np.argmin(options, axis=1)
-            cost[sel, j] = options[np.arange(len(sel)), arg]
-            parent[sel, j] = arg
-    last = int(np.argmin(cost[full]))
-    length = float(cost[full, last])
-    order = [last]
+    columns = distances.T  # columns[j, i] = distances[i, j]
+    for sel, last, prev in _held_karp_layers(n):
+        options = cost[prev] + columns[last]
+        arg = np.argmin(options, axis=1)
+        cost[sel, last] = options[np.arange(len(sel)), arg]
+        parent[sel, last] = arg
+    last_node = int(np.argmin(cost[full]))
+    length = float(cost[full, last_node])
+    order = [last_node]
     mask = full
     while len(order) < n:
         prev_node = int(parent[mask, order[-1]])
