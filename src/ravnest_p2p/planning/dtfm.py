@@ -21,9 +21,12 @@ latency matrix ``alpha`` (seconds) and bandwidth matrix ``beta`` (bytes/s), its 
 * total = DP + PP (the paper's communication cost; computation is the same in every placement).
 
 Methods. Bottleneck matching: binary search over the distinct weights above an easy lower bound (the
-largest row or column minimum), each step a Kuhn augmenting-path test on bitmask adjacency; exact.
-Open-loop TSP: Held-Karp over (visited set, last group), vectorised over subsets; exact, O(2^n n^2),
-fine up to ~14 stages. Both are checked against brute force in the unit tests.
+largest row or column minimum), each step a Kuhn augmenting-path test on bitmask adjacency, warm-started
+from the matching of the previous step (a matching stays valid at a higher threshold; a perfect one
+keeps its cheap pairs at a lower one): exact, ~3x fewer augmentations than cold starts on 16x16 noisy
+matrices. Open-loop TSP: Held-Karp over (visited set, last group), one vectorised step per subset size;
+exact, O(2^n n^2): 0.19 ms at 8 groups, 3 ms at 12, ~90 ms at 16 (`dtfm_paths` takes over in the search
+loop beyond 12). Both are checked against brute force in the unit tests.
 
 Alternatives rejected: Hungarian (min-sum) matching answers a different question (the slowest pair
 sets the pace, not the average); nearest-neighbour TSP is not exact and the exact one is cheap at the

@@ -1,34 +1,50 @@
-"""DT-FM placement search: hybrid genetic algorithm with local search, made structure-aware.
+"""DT-FM placement search: annealing with incremental swap evaluation, structure-aware starts (+ the GA).
 
 Problem. Find the partition of ``N = D_PP * D_DP`` devices into ``D_PP`` stage groups minimising the
 DT-FM cost (`dtfm.CostModel`). The paper (Yuan et al. 2022, sec. 3.3) runs a hybrid genetic algorithm in
 the style of Bui & Moon's balanced graph partitioning: a population of partitions, a crossover that
 keeps whole groups of one parent, and a swap local search on every child.
 
-What a plain GA gets wrong here, and what we added (each measured in `benchmarks/bench_placement.py`):
+Method (default, ``method="anneal"``). Score the structure-aware starts (below) and one random
+placement; from the best, run simulated annealing over swaps of two devices in different groups, each
+swap evaluated incrementally (`dtfm_anneal.SwapState`: only the two groups' all-reduce costs, the
+pipeline edges touching them, and the path, which is exact up to ``tsp_exact_limit`` groups and a
+warm-started 2-opt + Or-opt beyond, `dtfm_paths`). Metropolis acceptance on an energy = cost + slopes
+for the plateaus (see `dtfm_anneal`); geometric cooling to 1/1000 of the temperature that accepts the
+median uphill move half the time. Cycles: the first takes 3/4 of the CPU budget, each later one restarts
+from the best placement so far at 0.3x that temperature and takes half of what is left, so the
+best-so-far curve keeps improving with CPU time (``SearchResult.curve``). The final answer is re-scored
+with the exact model.
+
+Why not the GA (kept as ``method="ga"``). Measured before this change (`benchmarks/bench_placement.py`):
+on the public scenarios it reached the best-known cost only through the structure-aware starts -- its
+genetic and local search never improved on a start -- and without them ended at 1.06-1.18x on the
+world-wide case and 1.50x on ``datacenter_spot``; on noisy 128-device cases its first-improvement local
+search (~7,000 swaps, each a full re-evaluation) used the whole 60 s budget before generation 1 (8x16:
+1.09-1.30x a plain annealer), and at 16 stages the exact 16-group path made it 410 evaluations per
+minute (1.48x). Tabu search was not tried (a tabu list needs the whole neighbourhood scored per step,
+thousands of matchings). What the GA work taught us is kept:
 
 * **Plateaus.** The cost is made of maxima (slowest device of an all-reduce, slowest pair of a
   bottleneck matching): almost every swap leaves it unchanged (on ``datacenter_spot`` nearly every
-  layout costs 6.57 s). We compare candidates lexicographically by ``(cost, surrogate)``: the surrogate
-  is the same model with each pipeline edge softened by how *close* its matching is to the next cheaper
-  level (``bottleneck - gap * 0.5 * m / n`` with ``m`` the maximum matching below the bottleneck) plus a
-  small weight on the mean group all-reduce time. It gives local search a slope on the plateaus and
-  never lets it trade true cost away.
+  layout costs 6.57 s). The surrogate softens each pipeline edge by how *close* its matching is to the
+  next cheaper level (``bottleneck - gap * 0.5 * m / n`` with ``m`` the maximum matching below the
+  bottleneck) and adds a small weight on the mean group all-reduce time. The annealer uses the matching
+  slope only when the network has twins (on noisy networks there are no plateaus and it doubles the
+  matching work).
 * **Symmetry.** Devices whose rows are identical in both matrices ("twins": GPUs of one machine, or all
-  lone spot instances) are interchangeable; we score a placement by the multiset of twin classes in each
-  group, skip no-op swaps between twins and memoise per group and per pair of groups. This shrinks the
-  neighbourhood from thousands of swaps to the distinct class exchanges.
+  lone spot instances) are interchangeable; swaps between twins are skipped (annealer) or scored once
+  per multiset of twin classes (GA).
 * **Structure.** Co-located devices ("sites": single-linkage over the cheapest links, within a
   tolerance) are what good layouts exploit: a site either fills whole stage groups (cheap all-reduce)
-  or carries consecutive stages of whole pipelines (cheap pipeline edges). We seed the population with
-  both layouts -- sites chunked into groups, and sites packed as aligned row pieces of the
-  replica x stage grid -- and use site moves as mutations (gather a site into one group; spread a site
-  one device per group) besides random swaps.
+  or carries consecutive stages of whole pipelines (cheap pipeline edges). Both layouts are starts
+  (`dtfm_structure.structured_placements`); the GA also uses site moves as mutations.
 
-Known limits. No optimality proof; on matrices with no twins and no clear sites the search falls back
-to the plain hybrid GA. The CPU budget is read from an injected clock so results within a budget are
-deterministic only up to the number of generations the clock allows (pass ``max_generations`` for
-bit-reproducible runs).
+Known limits. No optimality proof. Above ``tsp_exact_limit`` groups the in-loop pipeline cost is a
+local-search upper bound (the reported cost is exact). With the default time-sliced schedule a result
+depends on how many proposals the CPU budget allows; pass ``anneal_moves`` (and ``max_generations``)
+for bit-reproducible runs. The bottleneck matchings dominate the time (~0.1-0.4 ms each in Python,
+``2 D_PP - 3`` per swap), so a swap costs ~1-3 ms: a compiled matching would be the next speed-up.
 """
 
 from __future__ import annotations
