@@ -34,7 +34,7 @@ import numpy as np
 
 from benchmarks.harness import RESULTS_DIR, record
 from benchmarks.placement_baseline import plain_anneal
-from benchmarks.placement_cases import default_cases, load_references
+from benchmarks.placement_cases import default_cases, load_references, save_references
 from ravnest_p2p.planning.dtfm import CostModel, Workload, random_placement
 from ravnest_p2p.planning.dtfm_search import SearchConfig, hybrid_search
 
@@ -209,6 +209,24 @@ def merge(settings: dict[str, Any]) -> None:
             rows += data["rows"]
             curves.update(data.get("curves", {}))
             ran.append(f"{part}: {data['settings']}")
+    # Hard-case references: the file's value, or any benchmark run that beat it (then saved back).
+    refs = load_references()
+    for row in rows:
+        if row["part"] != "hard":
+            continue
+        ref = refs.get(row["case"])
+        if ref is None or row["cost_s"] < ref["cost_s"]:
+            refs[row["case"]] = {"cost_s": row["cost_s"], "method": f"bench_placement: {row['method']}",
+                                 "seed": row["seed"], "cpu_s": round(row["cpu_s"], 1)}  # fmt: skip
+    if refs:
+        save_references(refs)
+    for row in rows:
+        if row["part"] == "hard":
+            row["reference_s"] = refs[row["case"]]["cost_s"]
+            row["ratio"] = row["cost_s"] / row["reference_s"]
+    for name, data in curves.items():
+        if name in refs:
+            data["reference"] = refs[name]["cost_s"]
     plotted = _plot(curves, RESULTS_DIR / "placement.png")
     notes = (
         "DT-FM communication cost (s/iteration); `ratio` = cost / reference (public: the best-known value "
