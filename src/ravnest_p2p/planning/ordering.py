@@ -18,9 +18,11 @@ send term once, instead of once per permutation. The exhaustive search walks the
 depth first so permutations sharing a prefix share its DP rows, and prunes a prefix once the smallest
 entry of its DP row is no better than the best complete order (DP rows only grow along a path, so no
 completion can beat it). Both are exact: the chosen order, cuts and bottleneck are bit-identical to
-the plain enumeration (the unit tests compare against it). Measured under cProfile (``bench_planner``
-medium model, 10,000 peers, 3,115 clusters of 1-5 peers): ordering 15.2 s -> 2.6 s; make_plan at 1,000
-peers 0.58 s -> 0.33 s CPU with the same plan.
+the plain enumeration (the unit tests compare against it). Clusters of 1-2 peers keep the plain
+enumeration (one or two DP runs do not repay the precomputation). Measured with the synthetic swarms of
+``benchmarks/planner_swarms.py`` (``time.process_time``, same plan digest before and after): make_plan
+at 1,000 peers 0.56 -> 0.31 s (medium model), 0.10 s (small, unchanged); at 10,000 peers 10.7 -> 7.2 s
+(medium; ordering's share 15.2 -> 2.6 s under cProfile), 1.0 s (small, unchanged).
 
 Alternatives rejected. Ordering by a bottleneck path over link speeds alone (a bottleneck TSP) ignores
 where cuts land and the peers' compute; enumerating is cheap up to 6 peers once pruned.
@@ -43,6 +45,7 @@ __all__ = ["EXACT_LIMIT", "order_stages"]
 
 EXACT_LIMIT = 6
 _MAX_SWAP_ROUNDS = 50
+_PLAIN_LIMIT = 2
 
 
 class _OrderScorer:
@@ -159,6 +162,18 @@ def order_stages(
     ordered = sorted(peers, key=lambda p: p.peer_id)
     if not ordered:
         raise InfeasiblePlan("empty cluster")
+    if len(ordered) <= _PLAIN_LIMIT:  # too few orders to repay the shared precomputation
+        found: tuple[tuple[PeerCapacity, ...], tuple[int, ...], float] | None = None
+        for perm in itertools.permutations(ordered):
+            try:
+                cuts, value = partition_layers(perm, layers, job)
+            except InfeasiblePlan:
+                continue
+            if found is None or value < found[2]:
+                found = (perm, cuts, value)
+        if found is None:
+            raise InfeasiblePlan("no stage order fits the model in the cluster's memory")
+        return found
     scorer = _OrderScorer(ordered, layers, job)
     if len(ordered) <= EXACT_LIMIT:
         best_value, best_perm = _exhaustive(scorer, len(ordered))
