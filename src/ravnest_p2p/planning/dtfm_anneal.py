@@ -29,6 +29,7 @@ __all__ = ["AnnealOutcome", "SwapState", "anneal"]
 _DP_MEAN_WEIGHT = 0.1
 _SOFT_GAP = 0.5
 _SOFT_CACHE_LIMIT = 200_000
+_SITE_MOVE_RATE = 0.1
 
 
 @dataclass
@@ -100,7 +101,7 @@ class SwapState:
         gain = 0.0
         if below.size:
             prev = float(below.max())
-            gain = (hard - prev) * _SOFT_GAP * max_matching_size(sub, prev) / sub.shape[0]
+            gain = (hard - prev) * _SOFT_GAP * (max_matching_size(sub, prev) / sub.shape[0]) ** 2
         if len(cache) > _SOFT_CACHE_LIMIT:
             cache.clear()
         cache[key] = gain
@@ -171,6 +172,39 @@ def _pick_swap(state: SwapState, classes: np.ndarray, rng: np.random.Generator) 
     return None
 
 
+def _site_move(state: SwapState, sites: list[list[int]], rng: np.random.Generator, threshold: float) -> bool:
+    """Spread a random site over consecutive path positions (a compound of swaps); undo unless accepted.
+
+    This is the move that lines co-located devices up as consecutive stages of one pipeline, which
+    single swaps cannot reach on plateaus: every edge stays as slow as its slowest pair until all the
+    replicas' pairs across it are co-located.
+    """
+    site = sites[int(rng.integers(len(sites)))]
+    members = set(site)
+    order = state.order
+    span = min(len(site), len(order))
+    first = int(rng.integers(len(order) - span + 1))
+    devices = [site[int(i)] for i in rng.permutation(len(site))[:span]]
+    before = state.energy
+    done: list[tuple[int, int]] = []
+    for device, group in zip(devices, order[first : first + span], strict=True):
+        if state.group_of[device] == group:
+            continue
+        partners = [d for d in state.groups[group] if d not in members]
+        if not partners:
+            continue
+        partner = partners[int(rng.integers(len(partners)))]
+        state.apply(state.propose(device, partner))
+        done.append((device, partner))
+    if not done:
+        return False
+    if state.energy - before <= threshold:
+        return True
+    for device, partner in reversed(done):
+        state.apply(state.propose(device, partner))
+    return False
+
+
 def calibrate_temperature(state: SwapState, classes: np.ndarray, rng: np.random.Generator) -> float:
     """Temperature at which the median uphill move of ``state`` is accepted half the time."""
     uphill = []
@@ -195,6 +229,7 @@ def anneal(
     end_temperature: float,
     progress: Callable[[int], float],
     on_best: Callable[[SwapState], None],
+    sites: Sequence[Sequence[int]] = (),
 ) -> AnnealOutcome:
     """One geometric-cooling run of swap proposals on ``state`` (mutated in place).
 
@@ -202,14 +237,27 @@ def anneal(
         progress: called before every proposal with the number made so far; returns the fraction of
             the run done (the temperature follows it), ``>= 1`` ends the run.
         on_best: called whenever the state reaches a cost lower than any earlier in this run.
+        sites: co-located device sets; when given, a share of the moves spread one site over
+            consecutive groups of the current path (one device each), accepted or undone as a whole.
     """
     best_cost, best = state.cost, state.placement()
     ratio = end_temperature / start_temperature
     done = 0
+    big_sites = [list(site) for site in sites if len(site) > 1]
     while True:
         fraction = progress(done)
         if fraction >= 1.0:
             break
+        if big_sites and rng.random() < _SITE_MOVE_RATE:
+            done += 1
+            temperature = start_temperature * ratio**fraction
+            threshold = -temperature * math.log(max(rng.random(), 1e-300))
+            if _site_move(state, big_sites, rng, threshold) and state.cost < best_cost - 1e-12 * max(
+                1.0, best_cost
+            ):
+                best_cost, best = state.cost, state.placement()
+                on_best(state)
+            continue
         pick = _pick_swap(state, classes, rng)
         if pick is None:
             break

@@ -307,7 +307,7 @@ def hybrid_search(
     sites = find_sites(model, config.site_tolerance)
     starts: list[Placement] = structured_placements(model, sites) if config.structure_seeds else []
     if config.method == "anneal":
-        return _anneal_search(model, config, rng, starts, out_of_time, note, clock, started, curve)
+        return _anneal_search(model, config, rng, starts, sites, out_of_time, note, clock, started, curve)
     scorer = _Scorer(model)
     n = model.num_devices
     while len(starts) < config.population_size:
@@ -360,6 +360,7 @@ def _anneal_search(
     config: SearchConfig,
     rng: np.random.Generator,
     starts: list[Placement],
+    sites: Sequence[Sequence[int]],
     out_of_time: Callable[[], bool],
     note: Callable[[tuple[float, float]], None],
     clock: Callable[[], float],
@@ -390,6 +391,7 @@ def _anneal_search(
             end_temperature=temperature * _COOL_TO,
             progress=progress,
             on_best=lambda s: note((s.cost, 0.0)),
+            sites=sites if soft else (),
         )
         cycles += 1
         proposals += outcome.moves
