@@ -154,3 +154,25 @@ def test_ga_method_still_runs() -> None:
     )
     model.check(result.placement)
     assert result.cost == pytest.approx(model.cost(result.placement), rel=1e-12)
+
+
+def test_site_move_is_undone_when_rejected_and_consistent_when_accepted() -> None:
+    from ravnest_p2p.planning.dtfm_anneal import _site_move
+
+    # 4 stages x 4 replicas; devices 0-3 and 4-7 are two machines, the rest lone instances
+    machine = np.array([0] * 4 + [1] * 4 + list(range(2, 10)))
+    same = machine[:, None] == machine[None, :]
+    model = CostModel(
+        np.where(same, 0.0, 0.001), np.where(same, 1e11, 1e9), Workload(4, 4, c_dp_bytes=1e8, c_pp_bytes=1e8)
+    )
+    rng = np.random.default_rng(0)
+    sites = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for _ in range(10):
+        state = SwapState(model, random_placement(model.workload, rng))
+        before, cost = state.placement(), state.cost
+        assert not _site_move(state, sites, rng, threshold=-np.inf)
+        assert state.placement() == before
+        assert state.cost == cost
+        _site_move(state, sites, rng, threshold=np.inf)
+        model.check(state.placement())
+        assert state.cost == model.cost(state.placement())
