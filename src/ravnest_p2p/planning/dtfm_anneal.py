@@ -9,8 +9,17 @@ bit-identical to `CostModel.cost` of the same placement (the unit tests check th
 
 The annealer minimises an *energy*: the cost plus two small slopes for the plateaus the maxima create
 (as in the GA's surrogate): ``0.1 x`` the mean group all-reduce time, and on each pipeline edge of the
-current path a discount of half the gap to the next cheaper weight times the fraction of pairs already
-matchable below the bottleneck. The best placement is tracked by true cost only.
+current path a discount of half the gap to the next cheaper weight times the *squared* fraction of pairs
+already matchable below the bottleneck (squared so that gathering co-located devices on one edge beats
+splitting them over two; linear, ``datacenter_spot`` settled on two half-aligned blocks). The best
+placement is tracked by true cost only.
+
+On networks with sites (co-located devices), 10% of the moves are compound: spread one site over
+consecutive groups of the current path, one device per group, accepted or undone as a whole. Lining a
+machine up as consecutive stages of one pipeline is what the best ``datacenter_spot`` layout does, and
+single swaps cannot climb to it: an edge stays as slow as its slowest pair until every replica's pair
+across it is co-located. Measured without the structure-aware starts: 6.57 s (1.50x the best known,
+every seed, GA or annealing with swaps only) -> 4.389 s (the best known) after 2.6 s CPU.
 """
 
 from __future__ import annotations
