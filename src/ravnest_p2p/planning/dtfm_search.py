@@ -38,7 +38,16 @@ thousands of matchings). What the GA work taught us is kept:
 * **Structure.** Co-located devices ("sites": single-linkage over the cheapest links, within a
   tolerance) are what good layouts exploit: a site either fills whole stage groups (cheap all-reduce)
   or carries consecutive stages of whole pipelines (cheap pipeline edges). Both layouts are starts
-  (`dtfm_structure.structured_placements`); the GA also uses site moves as mutations.
+  (`dtfm_structure.structured_placements`); the GA uses site moves as mutations, the annealer (on
+  networks with twins) a compound move spreading a site over consecutive path positions.
+
+Measured now (`benchmarks/results/placement.md`, seed 0, 60 s CPU, a busy 2-core host): all four public
+scenarios reach the best-known cost with the structure-aware starts (in < 0.01 s) and without them
+(2.3-45 s CPU; ``datacenter_spot`` needs the site moves of `dtfm_anneal`). Hard noisy cases
+(`benchmarks/placement_cases.py`) vs. a plain annealer with the same budget: 8x8 67.6 vs 65.0 s
+(plain wins, 1.04x), 8x16 53.0 vs 53.3 s, 16x8 86.7 vs 100.0 s (the path heuristic pays: 28k proposals
+against the plain annealer's exact 16-group paths). Single seeds: the spread between seeds is several
+percent, so these are indications, not a ranking.
 
 Known limits. No optimality proof. Above ``tsp_exact_limit`` groups the in-loop pipeline cost is a
 local-search upper bound (the reported cost is exact). With the default time-sliced schedule a result
