@@ -252,6 +252,13 @@ def _save_part(
     part: str, rows: list[dict[str, Any]], curves: dict[str, Any], settings: dict[str, Any]
 ) -> None:
     PARTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = PARTS_DIR / f"{part}.json"
+    if path.is_file():  # keep the rows of seeds this run did not repeat (seeds can run separately)
+        old = json.loads(path.read_text())
+        rows = [r for r in old["rows"] if r["seed"] not in settings["seeds"]] + rows
+        curves = {**old.get("curves", {}), **curves}
+        seeds = sorted({r["seed"] for r in rows})
+        settings = {**settings, "seeds": seeds}
     payload = {"rows": rows, "curves": curves, "settings": settings}
     (PARTS_DIR / f"{part}.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
 
