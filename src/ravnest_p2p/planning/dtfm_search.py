@@ -41,13 +41,13 @@ thousands of matchings). What the GA work taught us is kept:
   (`dtfm_structure.structured_placements`); the GA uses site moves as mutations, the annealer (on
   networks with twins) a compound move spreading a site over consecutive path positions.
 
-Measured now (`benchmarks/results/placement.md`, seed 0, 60 s CPU, a busy 2-core host): all four public
-scenarios reach the best-known cost with the structure-aware starts (in < 0.01 s) and without them
-(2.3-45 s CPU; ``datacenter_spot`` needs the site moves of `dtfm_anneal`). Hard noisy cases
-(`benchmarks/placement_cases.py`) vs. a plain annealer with the same budget: 8x8 67.6 vs 65.0 s
-(plain wins, 1.04x), 8x16 53.0 vs 53.3 s, 16x8 86.7 vs 100.0 s (the path heuristic pays: 28k proposals
-against the plain annealer's exact 16-group paths). Single seeds: the spread between seeds is several
-percent, so these are indications, not a ranking.
+Measured now (`benchmarks/results/placement.md`, 60 s CPU, a busy 2-core host): all four public
+scenarios reach the best-known cost (seed 0) with the structure-aware starts (in < 0.01 s) and without
+them (2.3-45 s CPU; ``datacenter_spot`` needs the site moves of `dtfm_anneal`). Hard noisy cases
+(`benchmarks/placement_cases.py`), seeds 0 and 1, ours vs. a plain annealer with the same budget:
+8x8 67.6 / 67.2 vs 65.0 / 68.1 s; 8x16 53.0 / 52.1 vs 53.3 / 54.8 s; 16x8 86.7 / 87.4 vs 100.0 /
+100.5 s (the path heuristic pays: ~30k proposals against the plain annealer's exact 16-group paths).
+Ours is within 1.05x of the references (best found by anything), not the 1.02x we aimed for.
 
 Known limits. No optimality proof. Above ``tsp_exact_limit`` groups the in-loop pipeline cost is a
 local-search upper bound (the reported cost is exact). With the default time-sliced schedule a result
