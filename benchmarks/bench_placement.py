@@ -1,36 +1,50 @@
-"""DT-FM placement: our structure-aware hybrid search vs. random placement vs. the best-known cost.
+"""DT-FM placement: our search vs. best-known costs, vs. a plain annealer on hard cases, and its curve.
 
-For each scenario of ``../shared/data/networks.json`` (relative to the repo root) we build the
-latency/bandwidth matrices with the conventions of ``placement_best_known.json`` (alpha = RTT in
-seconds as given, beta = Gbit/s * 1e9 / 8 bytes/s, links symmetric; intra-group links inside a device
-group, ``inter``/``inter_default`` between groups), check that the mean cost of random placements
-reproduces the file's ``random_matched_mean`` (this validates the conventions), then run
-`hybrid_search` per seed within a CPU budget (``time.process_time``) and report costs as ratios to the
-best-known value. An ablation runs the same search without the structure seeds (the paper's plain start).
+Part ``public``: each scenario of ``data/networks.json`` (a copy of the DT-FM paper's public settings)
+gets its latency/bandwidth matrices with the conventions of ``data/placement_best_known.json`` (alpha =
+RTT in seconds as given, beta = Gbit/s * 1e9 / 8 bytes/s, links symmetric; intra-group links inside a
+device group, ``inter``/``inter_default`` between groups); the mean cost of random placements must
+reproduce the file's ``random_matched_mean`` (this validates the conventions). Then `hybrid_search`
+runs per seed within a CPU budget (``time.process_time``), with the structure-aware starts and -- the
+ablation -- without them; costs are reported as ratios to the best-known value.
+
+Part ``hard``: the noisy world-wide cases of `placement_cases` (no clean sites, no twins); ours and the
+plain annealer of `placement_baseline` get the same CPU budget per seed; costs are ratios to the case's
+reference (`data/placement_references.json`, the best any of our methods found with a long budget).
+The best-so-far curves (CPU seconds vs. cost) of both go to ``results/placement.png``.
+
+Full run (what the issue asks)::
+
+    PYTHONPATH=src:. nice -n 19 python -m benchmarks.bench_placement --seeds 0 1 2 --budget-s 60
+
+Each part is saved under ``results/placement_parts/`` and ``placement.{json,md}`` merge the parts that
+exist, so the two parts can run as separate processes (``--parts public`` / ``--parts hard``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import record
+from benchmarks.harness import RESULTS_DIR, record
+from benchmarks.placement_baseline import plain_anneal
+from benchmarks.placement_cases import default_cases, load_references, save_references
 from ravnest_p2p.planning.dtfm import CostModel, Workload, random_placement
 from ravnest_p2p.planning.dtfm_search import SearchConfig, hybrid_search
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared/data"
+DATA_DIR = Path(__file__).resolve().parent / "data"
+PARTS_DIR = RESULTS_DIR / "placement_parts"
 RANDOM_SAMPLES = 200
 
 
 def _load(name: str) -> dict[str, Any]:
-    path = DATA_DIR / name
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: the placement benchmark needs ../shared/data/{name}")
-    data: dict[str, Any] = json.loads(path.read_text())
+    data: dict[str, Any] = json.loads((DATA_DIR / name).read_text())
     return data
 
 
@@ -61,32 +75,26 @@ def build_matrices(scenario: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     return latency, bandwidth
 
 
-def main(quick: bool) -> None:
+def run_public(seeds: Sequence[int], budget_s: float, stall_s: float) -> list[dict[str, Any]]:
     networks = _load("networks.json")
     known = _load("placement_best_known.json")
     w = networks["workload"]
     workload = Workload(w["num_stages"], w["num_replicas"], w["c_dp_bytes"], w["c_pp_bytes"])
-    seeds = [0] if quick else [0, 1, 2]
-    budget_s, stall_s = (10.0, 5.0) if quick else (60.0, 10.0)
-    ablation_budget_s = 5.0 if quick else 20.0
     rows: list[dict[str, Any]] = []
     for name, scenario in networks["scenarios"].items():
         model = CostModel(*build_matrices(scenario), workload)
         best_known = float(known["best_known"][name])
         rng = np.random.default_rng(12345)
-        random_costs = [model.cost(random_placement(workload, rng)) for _ in range(RANDOM_SAMPLES)]
-        random_mean = float(np.mean(random_costs))
+        random_mean = float(
+            np.mean([model.cost(random_placement(workload, rng)) for _ in range(RANDOM_SAMPLES)])
+        )
         expected = float(known["random_matched_mean"][name])
         if abs(random_mean - expected) > 0.02 * expected:
-            raise AssertionError(
-                f"{name}: random mean {random_mean:.3f} != file's {expected}: conventions differ"
-            )
+            raise AssertionError(f"{name}: random mean {random_mean:.3f} != file's {expected}")
         for seed in seeds:
             for structure in (True, False):
-                if not structure and seed != seeds[0]:
-                    continue
                 config = SearchConfig(
-                    cpu_budget_s=budget_s if structure else ablation_budget_s,
+                    cpu_budget_s=budget_s,
                     stall_s=stall_s if structure else None,
                     seed=seed,
                     structure_seeds=structure,
@@ -97,32 +105,184 @@ def main(quick: bool) -> None:
                 model.check(result.placement)
                 rows.append(
                     {
-                        "scenario": name,
-                        "search": "structure-aware GA" if structure else "plain start (ablation)",
+                        "part": "public",
+                        "case": name,
+                        "method": "ours" if structure else "ours, no structure starts",
                         "seed": seed,
-                        "best_known_s": best_known,
-                        "random_mean_s": random_mean,
+                        "reference_s": best_known,
                         "random_ratio": random_mean / best_known,
-                        "ours_s": result.cost,
-                        "ours_ratio": result.cost / best_known,
+                        "cost_s": result.cost,
+                        "ratio": result.cost / best_known,
                         "time_to_best_cpu_s": result.best_found_cpu_s,
                         "cpu_s": cpu_s,
-                        "generations": result.generations,
-                        "evaluations": result.evaluations,
+                        "cycles": result.generations,
+                        "proposals": result.evaluations,
                     }
                 )
-                print(
-                    f"{name:22s} seed={seed} structure={structure!s:5s} random={random_mean:.3f} "
-                    f"ours={result.cost:.3f} ratio={result.cost / best_known:.3f} cpu={cpu_s:.1f}s",
-                    flush=True,
+                print(rows[-1], flush=True)
+    return rows
+
+
+def run_hard(seeds: Sequence[int], budget_s: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    refs = load_references()
+    rows: list[dict[str, Any]] = []
+    curves: dict[str, Any] = {}
+    for case in default_cases():
+        model = case.model()
+        reference = refs.get(case.name, {}).get("cost_s")
+        for seed in seeds:
+            started = time.process_time()
+            ours = hybrid_search(model, SearchConfig(cpu_budget_s=budget_s, seed=seed))
+            ours_cpu = time.process_time() - started
+            started = time.process_time()
+            _, plain_cost, plain_curve = plain_anneal(model, budget_s, seed)
+            plain_cpu = time.process_time() - started
+            for method, cost, cpu_s in (
+                ("ours", ours.cost, ours_cpu),
+                ("plain annealing", plain_cost, plain_cpu),
+            ):
+                rows.append(
+                    {
+                        "part": "hard",
+                        "case": case.name,
+                        "method": method,
+                        "seed": seed,
+                        "reference_s": reference,
+                        "cost_s": cost,
+                        "ratio": cost / reference if reference else None,
+                        "cpu_s": cpu_s,
+                        "cycles": ours.generations if method == "ours" else None,
+                        "proposals": ours.evaluations if method == "ours" else None,
+                    }
                 )
+                print(rows[-1], flush=True)
+            if seed == seeds[0]:
+                curves[case.name] = {
+                    "ours": list(ours.curve),
+                    "plain annealing": plain_curve,
+                    "reference": reference,
+                }
+    return rows, curves
+
+
+def _plot(curves: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    if not curves:
+        return False
+    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 4), squeeze=False)
+    for ax, (name, data) in zip(axes[0], sorted(curves.items()), strict=True):
+        for label, style in (("ours", "-"), ("plain annealing", "--")):
+            points = data.get(label) or []
+            if points:
+                xs = [max(p[0], 1e-2) for p in points]
+                ys = [p[1] for p in points]
+                ax.step(xs, ys, style, where="post", label=label)
+        if data.get("reference"):
+            ax.axhline(data["reference"], color="grey", linewidth=0.8, label="reference")
+        ax.set_xscale("log")
+        ax.set_xlabel("CPU seconds")
+        ax.set_ylabel("best DT-FM cost so far (s/iteration)")
+        ax.set_title(name)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def merge(settings: dict[str, Any]) -> None:
+    """Write placement.{json,md} (+ png) from the part files that exist."""
+    rows: list[dict[str, Any]] = []
+    curves: dict[str, Any] = {}
+    ran: list[str] = []
+    for part in ("public", "hard"):
+        path = PARTS_DIR / f"{part}.json"
+        if path.is_file():
+            data = json.loads(path.read_text())
+            rows += data["rows"]
+            curves.update(data.get("curves", {}))
+            ran.append(f"{part}: {data['settings']}")
+    # Hard-case references: the file's value, or any benchmark run that beat it (then saved back).
+    refs = load_references()
+    for row in rows:
+        if row["part"] != "hard":
+            continue
+        ref = refs.get(row["case"])
+        if ref is None or row["cost_s"] < ref["cost_s"]:
+            refs[row["case"]] = {"cost_s": row["cost_s"], "method": f"bench_placement: {row['method']}",
+                                 "seed": row["seed"], "cpu_s": round(row["cpu_s"], 1)}  # fmt: skip
+    if refs:
+        save_references(refs)
+    for row in rows:
+        if row["part"] == "hard":
+            row["reference_s"] = refs[row["case"]]["cost_s"]
+            row["ratio"] = row["cost_s"] / row["reference_s"]
+    for name, data in curves.items():
+        if name in refs:
+            data["reference"] = refs[name]["cost_s"]
+    plotted = _plot(curves, RESULTS_DIR / "placement.png")
     notes = (
-        f"DT-FM cost (s/iteration) of 8 stages x 8 replicas; random = mean of {RANDOM_SAMPLES} random "
-        "placements scored with matching + TSP (matches the file's random_matched_mean, which validates "
-        f"the conventions). Ours = `hybrid_search`, CPU budget {budget_s:.0f} s, stopping after "
-        f"{stall_s:.0f} s CPU without improvement; ratios are to placement_best_known.json. The ablation "
-        f"row is the same search without structure seeds ({ablation_budget_s:.0f} s CPU), i.e. the "
-        "paper's random start with our surrogate and site moves."
-        + (" Quick mode: one seed, short budgets." if quick else "")
+        "DT-FM communication cost (s/iteration); `ratio` = cost / reference (public: the best-known value "
+        "of data/placement_best_known.json; hard: data/placement_references.json, the best any of our "
+        "searches found with a long budget). `ours` = `hybrid_search` (annealing with incremental swap "
+        "evaluation, structure-aware starts); `ours, no structure starts` = the same from a random start; "
+        "`plain annealing` = benchmarks/placement_baseline.py with the same CPU budget. CPU time is "
+        "time.process_time. Hard-case references were first computed with `python -m "
+        "benchmarks.placement_cases --reference-cpu-s 120` (one 120 s CPU run of ours per case, seed 100+i; "
+        "the issue asks >= 600 s) and are replaced by any benchmark run that beats them (the method is "
+        "recorded in the file). networks.json holds four public scenarios. Runs: "
+        + "; ".join(ran)
+        + (". Curves: placement.png." if plotted else ".")
     )
-    record("placement", rows, notes=notes)
+    json_path = record("placement", rows, notes=notes)
+    payload = json.loads(json_path.read_text())
+    payload["curves"] = curves
+    payload["settings"] = settings
+    json_path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+
+
+def _save_part(
+    part: str, rows: list[dict[str, Any]], curves: dict[str, Any], settings: dict[str, Any]
+) -> None:
+    PARTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = PARTS_DIR / f"{part}.json"
+    if path.is_file():  # keep the rows of seeds this run did not repeat (seeds can run separately)
+        old = json.loads(path.read_text())
+        rows = [r for r in old["rows"] if r["seed"] not in settings["seeds"]] + rows
+        curves = {**old.get("curves", {}), **curves}
+        seeds = sorted({r["seed"] for r in rows})
+        settings = {**settings, "seeds": seeds}
+    payload = {"rows": rows, "curves": curves, "settings": settings}
+    (PARTS_DIR / f"{part}.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+
+
+def main(
+    quick: bool, seeds: Sequence[int] | None = None, budget_s: float | None = None, parts: str = "all"
+) -> None:
+    seeds = list(seeds) if seeds else ([0] if quick else [0, 1, 2])
+    budget = budget_s if budget_s is not None else (10.0 if quick else 60.0)
+    stall_s = max(budget / 4, 5.0)
+    settings = {"seeds": seeds, "budget_cpu_s": budget, "public_stall_cpu_s": stall_s}
+    if parts in ("all", "public"):
+        _save_part("public", run_public(seeds, budget, stall_s), {}, settings)
+    if parts in ("all", "hard"):
+        rows, curves = run_hard(seeds, budget)
+        _save_part("hard", rows, curves, settings)
+    merge(settings)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_placement")
+    parser.add_argument("--seeds", type=int, nargs="*", default=None)
+    parser.add_argument("--budget-s", type=float, default=None)
+    parser.add_argument("--parts", choices=("all", "public", "hard", "none"), default="all")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    main(args.quick, args.seeds, args.budget_s, args.parts)

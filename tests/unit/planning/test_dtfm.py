@@ -118,7 +118,9 @@ def test_search_finds_the_exhaustive_optimum_on_small_networks(seed: int) -> Non
     latency, bandwidth = (latency + latency.T) / 2, (bandwidth + bandwidth.T) / 2
     model = CostModel(latency, bandwidth, Workload(4, 2, c_dp_bytes=5e7, c_pp_bytes=1e7))
     best = min(model.cost(p) for p in _all_partitions(list(range(n)), 2))
-    result = hybrid_search(model, SearchConfig(cpu_budget_s=5.0, max_generations=30, seed=seed))
+    result = hybrid_search(
+        model, SearchConfig(cpu_budget_s=5.0, max_generations=4, seed=seed, anneal_moves=50)
+    )
     model.check(result.placement)
     assert result.cost == pytest.approx(best, rel=1e-9)
     assert result.cost == pytest.approx(model.cost(result.placement), rel=1e-12)
@@ -127,7 +129,7 @@ def test_search_finds_the_exhaustive_optimum_on_small_networks(seed: int) -> Non
 def test_search_reports_when_it_found_its_best() -> None:
     ticks = iter(range(10_000))
     model = _tiny_model(0.0)
-    config = SearchConfig(cpu_budget_s=1e9, max_generations=3, structure_seeds=False)
+    config = SearchConfig(cpu_budget_s=1e9, max_generations=3, structure_seeds=False, anneal_moves=100)
     result = hybrid_search(model, config, clock=lambda: next(ticks))
     assert result.cost == pytest.approx(1.5)
     assert 0 < result.best_found_cpu_s <= result.cpu_s

@@ -1,0 +1,282 @@
+"""Simulated annealing over DT-FM placements with incremental swap evaluation (see `dtfm_search`).
+
+A swap of two devices between groups ``A`` and ``B`` changes only: the all-reduce cost of ``A`` and
+``B``, the ``2 (D_PP - 1) - 1`` pipeline edges touching them, and the path over the groups. `SwapState`
+recomputes exactly those (group costs and edges with the same arithmetic as `dtfm.CostModel`, edges
+memoised per pair of groups by the model) and re-solves the path (exact up to ``exact_limit`` groups,
+warm-started 2-opt + Or-opt beyond, `dtfm_paths`). For up to ``exact_limit`` groups its ``cost`` is
+bit-identical to `CostModel.cost` of the same placement (the unit tests check this after random swaps).
+
+The annealer minimises an *energy*: the cost plus two small slopes for the plateaus the maxima create
+(as in the GA's surrogate): ``0.1 x`` the mean group all-reduce time, and on each pipeline edge of the
+current path a discount of half the gap to the next cheaper weight times the *squared* fraction of pairs
+already matchable below the bottleneck (squared so that gathering co-located devices on one edge beats
+splitting them over two; linear, ``datacenter_spot`` settled on two half-aligned blocks). The best
+placement is tracked by true cost only.
+
+On networks with sites (co-located devices), 10% of the moves are compound: spread one site over
+consecutive groups of the current path, one device per group, accepted or undone as a whole. Lining a
+machine up as consecutive stages of one pipeline is what the best ``datacenter_spot`` layout does, and
+single swaps cannot climb to it: an edge stays as slow as its slowest pair until every replica's pair
+across it is co-located. Measured without the structure-aware starts: 6.57 s (1.50x the best known,
+every seed, GA or annealing with swaps only) -> 4.389 s (the best known) after 2.6 s CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ravnest_p2p.planning.dtfm import CostModel, Placement, max_matching_size
+from ravnest_p2p.planning.dtfm_paths import EXACT_TSP_LIMIT, shortest_path
+
+__all__ = ["AnnealOutcome", "SwapState", "anneal"]
+
+_DP_MEAN_WEIGHT = 0.1
+_SOFT_GAP = 0.5
+_SOFT_CACHE_LIMIT = 200_000
+_SITE_MOVE_RATE = 0.1
+
+
+@dataclass
+class _Proposal:
+    a: int
+    b: int
+    group_a: list[int]
+    group_b: list[int]
+    dp_a: float
+    dp_b: float
+    row_a: np.ndarray
+    row_b: np.ndarray
+    gain_a: np.ndarray
+    gain_b: np.ndarray
+    pp: float
+    order: tuple[int, ...]
+    cost: float
+    energy: float
+
+
+class SwapState:
+    """A placement with its per-group and per-edge costs, updated swap by swap.
+
+    Args:
+        model: the cost model.
+        placement: the starting partition.
+        exact_limit: groups up to which the path is solved exactly.
+        soft: include the matching slope in the energy (costs one extra Kuhn run per new edge).
+    """
+
+    def __init__(
+        self, model: CostModel, placement: Placement, exact_limit: int = EXACT_TSP_LIMIT, soft: bool = True
+    ):
+        self.model = model
+        self.exact_limit = exact_limit
+        self.soft = soft
+        self._gain_cache: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
+        self.groups = [sorted(int(d) for d in g) for g in placement]
+        k = len(self.groups)
+        self.group_of = np.empty(model.num_devices, dtype=np.int64)
+        for gi, g in enumerate(self.groups):
+            self.group_of[g] = gi
+        self.dp = np.array([model.group_dp_cost(g) for g in self.groups])
+        self.hard = np.zeros((k, k))
+        self.gain = np.zeros((k, k))
+        for i in range(k):
+            for j in range(i + 1, k):
+                h, s = self._edge(self.groups[i], self.groups[j])
+                self.hard[i, j] = self.hard[j, i] = h
+                self.gain[i, j] = self.gain[j, i] = s
+        self.pp, self.order = shortest_path(self.hard, None, exact_limit)
+        self.cost = float(self.dp.max()) + self.pp
+        self.energy = self._energy(self.dp, self.cost, self.gain, self.order)
+
+    def placement(self) -> Placement:
+        return tuple(tuple(g) for g in self.groups)
+
+    def _edge(self, a: Sequence[int], b: Sequence[int]) -> tuple[float, float]:
+        ta, tb = tuple(a), tuple(b)
+        hard = self.model.edge_cost(ta, tb)
+        if not self.soft:
+            return hard, 0.0
+        key = (ta, tb) if ta <= tb else (tb, ta)
+        cache = self._gain_cache
+        if key in cache:
+            return hard, cache[key]
+        sub = self.model.pp_weights[np.ix_(np.asarray(a), np.asarray(b))]
+        below = sub[sub < hard]
+        gain = 0.0
+        if below.size:
+            prev = float(below.max())
+            gain = (hard - prev) * _SOFT_GAP * (max_matching_size(sub, prev) / sub.shape[0]) ** 2
+        if len(cache) > _SOFT_CACHE_LIMIT:
+            cache.clear()
+        cache[key] = gain
+        return hard, gain
+
+    @staticmethod
+    def _energy(dp: np.ndarray, cost: float, gain: np.ndarray, order: Sequence[int]) -> float:
+        discount = sum(gain[order[i], order[i + 1]] for i in range(len(order) - 1))
+        return cost + _DP_MEAN_WEIGHT * float(dp.mean()) - float(discount)
+
+    def propose(self, u: int, v: int) -> _Proposal:
+        """Costs after swapping devices ``u`` and ``v`` (in different groups); the state is unchanged."""
+        a, b = int(self.group_of[u]), int(self.group_of[v])
+        if a == b:
+            raise ValueError("a swap needs devices of two different groups")
+        group_a = sorted([d for d in self.groups[a] if d != u] + [v])
+        group_b = sorted([d for d in self.groups[b] if d != v] + [u])
+        dp = self.dp.copy()
+        dp[a] = self.model.group_dp_cost(group_a)
+        dp[b] = self.model.group_dp_cost(group_b)
+        hard, gain = self.hard.copy(), self.gain.copy()
+        for other in range(len(self.groups)):
+            if other in (a, b):
+                continue
+            for gi, members in ((a, group_a), (b, group_b)):
+                h, s = self._edge(members, self.groups[other])
+                hard[gi, other] = hard[other, gi] = h
+                gain[gi, other] = gain[other, gi] = s
+        h, s = self._edge(group_a, group_b)
+        hard[a, b] = hard[b, a] = h
+        gain[a, b] = gain[b, a] = s
+        pp, order = shortest_path(hard, self.order, self.exact_limit)
+        cost = float(dp.max()) + pp
+        return _Proposal(
+            a, b, group_a, group_b, float(dp[a]), float(dp[b]), hard[a].copy(), hard[b].copy(),
+            gain[a].copy(), gain[b].copy(), pp, order, cost, self._energy(dp, cost, gain, order),
+        )  # fmt: skip
+
+    def apply(self, p: _Proposal) -> None:
+        """Commit a proposal returned by `propose` on this state."""
+        self.groups[p.a], self.groups[p.b] = p.group_a, p.group_b
+        self.group_of[p.group_a] = p.a
+        self.group_of[p.group_b] = p.b
+        self.dp[p.a], self.dp[p.b] = p.dp_a, p.dp_b
+        for gi, row, gains in ((p.a, p.row_a, p.gain_a), (p.b, p.row_b, p.gain_b)):
+            self.hard[gi, :] = row
+            self.hard[:, gi] = row
+            self.gain[gi, :] = gains
+            self.gain[:, gi] = gains
+        self.pp, self.order, self.cost, self.energy = p.pp, p.order, p.cost, p.energy
+
+
+@dataclass
+class AnnealOutcome:
+    """Best placement one annealing run saw, by (path-heuristic) cost, and what it spent."""
+
+    placement: Placement
+    cost: float
+    moves: int
+
+
+def _pick_swap(state: SwapState, classes: np.ndarray, rng: np.random.Generator) -> tuple[int, int] | None:
+    n = len(state.group_of)
+    for _ in range(20):
+        u, v = int(rng.integers(n)), int(rng.integers(n))
+        if state.group_of[u] != state.group_of[v] and classes[u] != classes[v]:
+            return u, v
+    return None
+
+
+def _site_move(state: SwapState, sites: list[list[int]], rng: np.random.Generator, threshold: float) -> bool:
+    """Spread a random site over consecutive path positions (a compound of swaps); undo unless accepted.
+
+    This is the move that lines co-located devices up as consecutive stages of one pipeline, which
+    single swaps cannot reach on plateaus: every edge stays as slow as its slowest pair until all the
+    replicas' pairs across it are co-located.
+    """
+    site = sites[int(rng.integers(len(sites)))]
+    members = set(site)
+    order = state.order
+    span = min(len(site), len(order))
+    first = int(rng.integers(len(order) - span + 1))
+    devices = [site[int(i)] for i in rng.permutation(len(site))[:span]]
+    before = state.energy
+    done: list[tuple[int, int]] = []
+    for device, group in zip(devices, order[first : first + span], strict=True):
+        if state.group_of[device] == group:
+            continue
+        partners = [d for d in state.groups[group] if d not in members]
+        if not partners:
+            continue
+        partner = partners[int(rng.integers(len(partners)))]
+        state.apply(state.propose(device, partner))
+        done.append((device, partner))
+    if not done:
+        return False
+    if state.energy - before <= threshold:
+        return True
+    for device, partner in reversed(done):
+        state.apply(state.propose(device, partner))
+    return False
+
+
+def calibrate_temperature(state: SwapState, classes: np.ndarray, rng: np.random.Generator) -> float:
+    """Temperature at which the median uphill move of ``state`` is accepted half the time."""
+    uphill = []
+    for _ in range(60):
+        pick = _pick_swap(state, classes, rng)
+        if pick is None:
+            break
+        delta = state.propose(*pick).energy - state.energy
+        if delta > 0:
+            uphill.append(delta)
+    if not uphill:
+        return 1e-3 * max(state.cost, 1e-9)
+    return float(np.median(uphill)) / math.log(2.0)
+
+
+def anneal(
+    state: SwapState,
+    classes: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    start_temperature: float,
+    end_temperature: float,
+    progress: Callable[[int], float],
+    on_best: Callable[[SwapState], None],
+    sites: Sequence[Sequence[int]] = (),
+) -> AnnealOutcome:
+    """One geometric-cooling run of swap proposals on ``state`` (mutated in place).
+
+    Args:
+        progress: called before every proposal with the number made so far; returns the fraction of
+            the run done (the temperature follows it), ``>= 1`` ends the run.
+        on_best: called whenever the state reaches a cost lower than any earlier in this run.
+        sites: co-located device sets; when given, a share of the moves spread one site over
+            consecutive groups of the current path (one device each), accepted or undone as a whole.
+    """
+    best_cost, best = state.cost, state.placement()
+    ratio = end_temperature / start_temperature
+    done = 0
+    big_sites = [list(site) for site in sites if len(site) > 1]
+    while True:
+        fraction = progress(done)
+        if fraction >= 1.0:
+            break
+        if big_sites and rng.random() < _SITE_MOVE_RATE:
+            done += 1
+            temperature = start_temperature * ratio**fraction
+            threshold = -temperature * math.log(max(rng.random(), 1e-300))
+            if _site_move(state, big_sites, rng, threshold) and state.cost < best_cost - 1e-12 * max(
+                1.0, best_cost
+            ):
+                best_cost, best = state.cost, state.placement()
+                on_best(state)
+            continue
+        pick = _pick_swap(state, classes, rng)
+        if pick is None:
+            break
+        done += 1
+        temperature = start_temperature * ratio**fraction
+        threshold = -temperature * math.log(max(rng.random(), 1e-300))
+        proposal = state.propose(*pick)
+        if proposal.energy - state.energy <= threshold:
+            state.apply(proposal)
+            if state.cost < best_cost - 1e-12 * max(1.0, best_cost):
+                best_cost, best = state.cost, state.placement()
+                on_best(state)
+    return AnnealOutcome(best, best_cost, done)
