@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -184,6 +185,7 @@ def main(quick: bool = False) -> None:
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=_ROOT, check=False)
         subprocess.run(["git", "worktree", "prune"], cwd=_ROOT, check=False)
+        shutil.rmtree(base.parent, ignore_errors=True)
     _write(rows, blocks, passes, numel, rounds, machine_facts())
 
 
