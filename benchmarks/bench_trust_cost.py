@@ -8,9 +8,9 @@ tree's (B), in blocks A B B A, so a drift of the shared host's load over the sit
 Each worker measures, in one process on loopback p2p daemons:
 
 - pipeline: samples/s of a 3-stage digits CNN pipeline (`training.local.local_pipeline`, the stages in
-  one process, so every per-message check is on the critical path), timed over a few passes after one
-  warm-up pass;
-- ring: the median time of an all-reduce round of 4 peers (`averaging.RingAllReduce`, one ring), after a
+  one process, so every per-message check is on the critical path), the best of a few passes over the
+  training set after one warm-up pass;
+- ring: the best time of an all-reduce round of 4 peers (`averaging.RingAllReduce`, one ring), after a
   warm-up round.
 
 Both paths exist with the same API in both trees. Alternatives rejected: the lab (cgroups and shaped
@@ -58,12 +58,15 @@ async def _pipeline_samples_per_s(transports: list[Any], passes: int) -> float:
     data = list(train_batches(job, train, cluster_index=0, num_clusters=1))
     async with local_pipeline(job, transports, max_in_flight=3) as services:
         await services[0].train(data)  # warm-up: connections, allocator, first-call costs
-        started = time.perf_counter()
+        samples = sum(len(y) for _, y in data)
+        rates = []
         for _ in range(passes):
+            started = time.perf_counter()
             await services[0].train(data)
-        elapsed = time.perf_counter() - started
+            rates.append(samples / (time.perf_counter() - started))
         assert all(s.failure is None for s in services)
-    return passes * sum(len(y) for _, y in data) / elapsed
+    # the best pass: another job's burst on the shared host only ever slows a pass down
+    return max(rates)
 
 
 async def _ring_round_s(transports: list[Any], numel: int, rounds: int) -> float:
@@ -92,7 +95,7 @@ async def _ring_round_s(transports: list[Any], numel: int, rounds: int) -> float
     finally:
         for server in servers:
             await server.aclose()
-    return statistics.median(times)
+    return min(times)  # the best round, as for the pipeline
 
 
 async def _measure(passes: int, numel: int, rounds: int) -> dict[str, float]:
@@ -237,8 +240,9 @@ def _write(
         f"trust wave (A, `{BASE}`), {blocks} blocks A B B A in one sitting, each side a fresh process on "
         "loopback "
         f"p2p daemons (not the lab: the lab's shaped links and CPU caps would not fit a couple of minutes "
-        f"on this host). Pipeline: samples/s of a 3-stage digits CNN in one process ({passes} passes of the "
-        f"training set after a warm-up). Ring: median round time of 4 peers averaging {numel * 4 >> 20} MiB "
+        f"on this host). Pipeline: samples/s of a 3-stage digits CNN in one process (best of {passes} "
+        f"passes of the training set after a warm-up). Ring: best round time of 4 peers averaging "
+        f"{numel * 4 >> 20} MiB "
         f"(fp32, {rounds} rounds after a warm-up). Ratios are after/before throughput: 1.0 costs nothing, "
         "0.98 is 2 % slower. The host is 2 cores shared with other jobs.",
         "",

@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,6 +34,7 @@ from ravnest_p2p.runtime.messages import (
 )
 from ravnest_p2p.transport import P2PTransport, RpcEndpoint, RpcMethod
 from ravnest_p2p.transport.limits import MAX_PROBE_BYTES
+from ravnest_p2p.transport.wire import decode_envelope
 from tests.security._wire_support import FRAME_LEN, close_all, open_raw
 from tests.security.test_wire_fuzz import hostile_message
 
@@ -56,7 +58,18 @@ class AttackCounts:
 class Target:
     peer_id: str
     namespace: str
-    methods: tuple[str, ...]  # what it serves when the attack round starts
+    methods: dict[str, RpcMethod[Any, Any]]  # what it serves when the attack starts (`RpcEndpoint.served`)
+
+
+def _verdict(reply: bytes) -> str:
+    try:
+        envelope = decode_envelope(reply, max_bytes=64 << 20)
+    except Exception:  # a reply we cannot read is a finding, not a refusal
+        return "garbled"
+    kind = envelope.header.get("kind")
+    if kind == "error":
+        return "internal" if envelope.header.get("code") == "internal" else "junk_refused"
+    return "junk_answered" if kind == "response" else "garbled"
 
 
 def _over(deadline: float, stop: asyncio.Event) -> bool:
@@ -93,37 +106,26 @@ async def _flood(
     endpoint = RpcEndpoint(outsider, targets[0].namespace)
     for round_index in range(rounds):
         for target in targets:
-            for name in target.methods:
+            for name, method in target.methods.items():
                 if _over(deadline, stop):
                     return
-                method = RpcMethod(
-                    name, ForwardRequest, ForwardRequest, max_request_bytes=MAX_ACTIVATION_BYTES
-                )
                 _, data = hostile_message(method, rng)
-                if len(data) > (1 << 20):
-                    data = data[: 1 << 20]
                 counts.sent += 1
                 try:
-                    reply = bytes(
-                        await outsider.call(
-                            target.peer_id,
-                            f"ravnest/{target.namespace}/{name}",
-                            data,
-                            stream=False,
-                            max_response_bytes=1 << 20,
-                        )
+                    reply = await outsider.call(
+                        target.peer_id,
+                        f"ravnest/{target.namespace}/{name}",
+                        data,
+                        stream=len(data) > (1 << 20),  # past the unary cap: the stream path refuses it
+                        max_response_bytes=1 << 20,
                     )
                 except TransportError:
                     counts.note("no_reply")
                     continue
-                if b"internal" in reply:
-                    counts.crashes += 1
-                    counts.note("internal")
-                elif b"error" in reply:
-                    counts.refused += 1
-                    counts.note("junk_refused")
-                else:
-                    counts.note("junk_answered")  # e.g. a ping with a harmless body
+                verdict = _verdict(bytes(reply))  # "junk_answered": e.g. a ping with a harmless body
+                counts.note(verdict)
+                counts.refused += verdict == "junk_refused"
+                counts.crashes += verdict in ("internal", "garbled")
             await _well_formed(endpoint, target, counts, round_index, deadline, stop)
 
 
