@@ -187,7 +187,6 @@ def main(quick: bool = False) -> None:
             )
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=_ROOT, check=False)
-        subprocess.run(["git", "worktree", "prune"], cwd=_ROOT, check=False)
         shutil.rmtree(base.parent, ignore_errors=True)
     _write(rows, blocks, passes, numel, rounds, machine_facts())
 
