@@ -20,6 +20,7 @@ ALL = [
     "ist_theory",
     "ist_inprocess",
     "backup_workers_sim",
+    "bench_trust_cost",
 ]
 
 
