@@ -73,7 +73,9 @@ def elastic_job(min_stages: int) -> JobSpec:
     )
 
 
-def run_on_the_lab(tmp_path: Path, *, num_peers: int, mode: str, run_id: str, min_stages: int) -> dict[str, Any]:
+def run_on_the_lab(
+    tmp_path: Path, *, num_peers: int, mode: str, run_id: str, min_stages: int
+) -> dict[str, Any]:
     """Start `num_peers` peers (plus, for ``join``, one more on the driver's cue) and the driver."""
     total = num_peers + (1 if mode == "join" else 0)
     ids = [load_or_create_identity(tmp_path / f"id{i}.key") for i in range(total)]
@@ -102,14 +104,18 @@ def run_on_the_lab(tmp_path: Path, *, num_peers: int, mode: str, run_id: str, mi
             log = tmp_path / f"peer{i}.log"
             pids[ids[i].peer_id] = start(i, log)
             if i == 0:
-                poll_until(lambda path=log: "join with" in path.read_text(errors="replace"), 90, what="peer 0")
+                poll_until(
+                    lambda path=log: "join with" in path.read_text(errors="replace"), 90, what="peer 0"
+                )
         argv = [sys.executable, "-m", "tests.e2e._elastic_lab_driver", "--initial-peers", *maddrs[:num_peers]]
         argv += ["--run-id", run_id, "--job", elastic_job(min_stages).model_dump_json(), "--out", str(out)]
         argv += ["--pids", json.dumps(pids), "--logs", str(tmp_path), "--mode", mode]
         driver = lab.run_in_ns(total, argv, env=thread_env(1), log_path=tmp_path / "driver.log", cwd=REPO)
         if mode == "join":
             poll_until(
-                lambda: (tmp_path / "join_now").exists() or driver.poll() is not None, 600, what="the join cue"
+                lambda: (tmp_path / "join_now").exists() or driver.poll() is not None,
+                600,
+                what="the join cue",
             )
             if driver.poll() is None:
                 start(num_peers, tmp_path / "joiner.log")
@@ -127,7 +133,8 @@ def report(result: dict[str, Any]) -> list[StageMetrics]:
     final = [StageMetrics.model_validate(m) for m in result["final"]]
     firsts = [m for m in final if m.stage == 0 and m.epoch == max(f.epoch for f in final)]
     print(
-        f"{result['mode']}: plan before {len(result['plan_before'])} stages, after {len(result['plan_after'])}; "
+        f"{result['mode']}: plan before {len(result['plan_before'])} stages, "
+        f"after {len(result['plan_after'])}; "
         f"learned after {result['learned_after_s']:.0f}s; training on the new plan "
         f"{result['training_again_after_s']:.1f}s after the disturbance; held-out loss at it "
         f"{result['loss_at_disturbance']:.4f} (micro-batch {result['position_at_disturbance']}), before the "
@@ -151,7 +158,8 @@ def test_kill_9_of_a_stage_on_the_lab_resumes_within_30s_near_the_loss(tmp_path:
     assert loss_after <= 1.25 * result["loss_before_replan"], result
     assert loss_after < 0.5 * INITIAL_LOSS
     assert result["victim"] not in {p for _, _, p in result["plan_after"]}
-    assert final and any(m.done for m in final if m.stage == 0), final
+    assert final
+    assert any(m.done for m in final if m.stage == 0), final
     assert result["victim"] not in {m.peer_id for m in final}
 
 
