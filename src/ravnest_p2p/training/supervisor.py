@@ -27,6 +27,7 @@ import logging
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
+from ravnest_p2p.discovery import dht_time
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.jobs import read_job_signed
 from ravnest_p2p.training.progress import (
@@ -162,7 +163,11 @@ class JobSupervisor:
                 self.finished.add(job.job_id)
             return None
         allowed, why = may_start(
-            progress, epoch=role.epoch, holds_state=(job.job_id, role.epoch) in self._ran
+            progress,
+            epoch=role.epoch,
+            holds_state=(job.job_id, role.epoch) in self._ran,
+            now=dht_time(),
+            idle_after_s=self.config.idle_after_s,
         )
         if not allowed:
             if progress is not None and progress.finished:
@@ -227,6 +232,7 @@ class JobSupervisor:
             epoch=previous.epoch,
             num_clusters=previous.num_clusters,
             prefer=role.cluster_index,
+            tie_micro_batches=self.config.replica_tie_micro_batches,
         )
         segments = state_sources(previous.assignment, role, alive=alive, cluster_order=order)
         state, self.last_origin = await gather_state(
@@ -251,7 +257,9 @@ class JobSupervisor:
         previous_epoch = max(earlier, default=role.epoch)
         allowed = role.plan_peers - {self.peer_id}
         alive = set(self.alive()) if self.alive is not None else set(allowed)
-        segments = state_sources(role.assignment, role, alive=alive)
+        # by cluster index, as every peer ranks replicas within `replica_tie_micro_batches` of each other
+        order = list(range(len(role.assignment)))
+        segments = state_sources(role.assignment, role, alive=alive, cluster_order=order)
         state, self.last_origin = await gather_state(
             role,
             segments,

@@ -325,6 +325,12 @@ def test_sources_follow_the_freshest_cluster_so_a_stage_is_not_stitched_from_sta
     # a cluster whose first stage already reports a newer plan: no ranking (the default order instead)
     assert freshest_first({(1, 1): 5, (1, 2): 7}, epoch=1, num_clusters=3, prefer=2) is None
     assert freshest_first({(1, 0): 5, (1, 1): 5, (1, 2): 5}, epoch=1, num_clusters=3, prefer=2) == [2, 0, 1]
+    # near-tied replicas: every peer ranks them by index, whatever its own cluster and its read's moment
+    racing = {(1, 0): 300, (1, 1): 330, (1, 2): 100}
+    for prefer in (0, 1, 2):
+        order = freshest_first(racing, epoch=1, num_clusters=3, prefer=prefer, tie_micro_batches=64)
+        assert order == [0, 1, 2]
+    assert freshest_first(racing, epoch=1, num_clusters=3, prefer=2, tie_micro_batches=16) == [1, 0, 2]
 
 
 async def test_an_idle_peer_drains_at_once():
@@ -436,3 +442,28 @@ async def test_a_peer_joining_mid_job_takes_its_layers_from_their_holder_on_the_
     assert source.epochs == [2]  # b's layers as it held them on the previous plan
     assert sup.last_origin == {"2-3": "b"}
     assert torch.equal(run.initial_state.tensors["2.weight"], torch.full((2,), 202.0))
+
+
+async def test_every_peer_restarted_may_start_the_job_again_once_its_progress_is_idle():
+    """A full restart: nobody holds epoch 0's state, so nobody would ever start it again."""
+    dht, runners = FakeDHT("me"), FakeRunners()
+    await publish(dht, ASSIGNED)
+    first_stage = dht.as_signer("a")
+    await publish_progress(first_stage, JobProgress(job_id="j", peer_id="a", cluster=0, micro_batches=40))
+    source = FakeStateSource({}, checkpoint_tag=700.0)
+    sup, _ = supervisor(dht, runners, state_source=source)
+    assert await sup.step() is None  # the record is fresh: a pipeline may still train without us
+    progress = await read_progress(dht, "j", owner_peer_id=None)
+    assert progress is not None
+    assert progress.updated_at > 0
+    idle, _ = supervisor(dht, runners, state_source=source)
+    idle.config = idle.config.model_copy(update={"idle_after_s": 1e-3})
+    await asyncio.sleep(0.01)  # the record ages past the (tiny) idle bound
+    async with running(idle):
+        await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run")
+    run = runners.made[0]
+    assert run.role.data_start == 40
+    # nobody serves the layers any more: they come from the checkpoint
+    assert source.checkpoint_calls == [(1, 3)]
+    assert idle.last_origin == {"1-3": "checkpoint"}
+    assert torch.equal(run.initial_state.tensors["2.weight"], torch.full((2,), 702.0))
