@@ -122,6 +122,8 @@ class ProgressView:
             cluster whose pipeline broke stops early; the hand-over prefers the furthest replica).
         done / stopped / ended: see `JobProgress`.
         reason: why it ended, if it did.
+        updated_at: DHT time of the newest record of the newest epoch (a training first stage
+            refreshes its record every metrics period).
     """
 
     job_id: str
@@ -135,6 +137,7 @@ class ProgressView:
     stopped: bool = False
     ended: bool = False
     reason: str | None = None
+    updated_at: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -183,10 +186,18 @@ def merge_progress(
         stopped=bool(stops),
         ended=ended is not None or bool(stops),
         reason=(ended.reason if ended is not None else None) or ("stopped by its owner" if stops else None),
+        updated_at=max((r.updated_at for r in newest), default=0.0),
     )
 
 
-def may_start(progress: ProgressView | None, *, epoch: int, holds_state: bool) -> tuple[bool, str]:
+def may_start(
+    progress: ProgressView | None,
+    *,
+    epoch: int,
+    holds_state: bool,
+    now: float | None = None,
+    idle_after_s: float = 0.0,
+) -> tuple[bool, str]:
     """Whether this peer may start its role of a job on plan `epoch`, and why not.
 
     Args:
@@ -194,6 +205,10 @@ def may_start(progress: ProgressView | None, *, epoch: int, holds_state: bool) -
         epoch: the plan epoch of the role (0: an explicit assignment).
         holds_state: this process already ran the job on this epoch (a restart of the same role by the
             supervisor, not a restarted process).
+        now: DHT time now (None: never treat the job's pipelines as idle).
+        idle_after_s: a job whose newest progress record is older than this has no pipeline moving
+            (every peer stopped, e.g. all restarted): its plans are neither superseding nor in the way,
+            and a restarted peer may start (its state comes from checkpoints). 0: never.
 
     A job never runs again once done, stopped or ended; a plan older than one the job already ran on is
     superseded; and a peer that was not part of an epoch's pipeline from its start (e.g. a process
@@ -205,6 +220,8 @@ def may_start(progress: ProgressView | None, *, epoch: int, holds_state: bool) -
         return True, ""
     if progress.finished:
         return False, f"ended ({progress.reason or 'done'})"
+    if idle_after_s > 0 and now is not None and now - progress.updated_at > idle_after_s:
+        return True, ""
     if progress.epoch > epoch:
         return False, f"superseded: the job already runs on plan epoch {progress.epoch}"
     if progress.epoch == epoch and progress.started_epoch and not holds_state:

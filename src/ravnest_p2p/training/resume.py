@@ -135,9 +135,19 @@ def state_sources(
 
 
 def freshest_first(
-    positions: Mapping[tuple[int, int], int], *, epoch: int, num_clusters: int, prefer: int
+    positions: Mapping[tuple[int, int], int],
+    *,
+    epoch: int,
+    num_clusters: int,
+    prefer: int,
+    tie_micro_batches: int = 0,
 ) -> list[int] | None:
     """Cluster indices of plan `epoch`, furthest data position first (ties: `prefer`, then by index).
+
+    With `tie_micro_batches` > 0, every cluster within that many micro-batches of the furthest counts
+    as tied with it and these come first by index alone: healthy replicas race each other, and peers
+    that read their positions a moment apart must still agree on one source (with `prefer`, the stages
+    of one new cluster were seen to take their layers from different replicas).
 
     None unless every cluster of that plan has a position (then `state_sources` uses its default): a
     peer keeps one progress record, so a first stage that already runs the next plan no longer shows
@@ -147,6 +157,11 @@ def freshest_first(
     known = {c: positions[(epoch, c)] for c in range(num_clusters) if (epoch, c) in positions}
     if len(known) < num_clusters:
         return None
+    if tie_micro_batches > 0:
+        furthest = max(known.values())
+        ahead = [c for c in range(num_clusters) if known[c] >= furthest - tie_micro_batches]
+        behind = sorted((c for c in range(num_clusters) if c not in ahead), key=lambda c: (-known[c], c))
+        return ahead + behind
     return sorted(range(num_clusters), key=lambda c: (-known.get(c, -1), c != prefer, c))
 
 

@@ -27,6 +27,7 @@ import logging
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
+from ravnest_p2p.discovery import dht_time
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.jobs import read_job_signed
 from ravnest_p2p.training.progress import (
@@ -124,6 +125,9 @@ class JobSupervisor:
         self._ran: set[tuple[str, int]] = set()  # (job, epoch) this process started
         self._held: dict[str, HeldState] = {}  # job -> the stage state this process holds
         self._previous: dict[str, StageRole] = {}  # job -> the role it last ran (its plan and epoch)
+        # job -> how far each (epoch, cluster) got, as last read while training: a first stage that
+        # already runs the next plan no longer shows its old cluster's position in the progress
+        self._positions: dict[str, dict[tuple[int, int], int]] = {}
         self._workload_job: str | None = None
         self._refused: tuple[str, int] | None = None
         self._draining = asyncio.Event()
@@ -159,7 +163,11 @@ class JobSupervisor:
                 self.finished.add(job.job_id)
             return None
         allowed, why = may_start(
-            progress, epoch=role.epoch, holds_state=(job.job_id, role.epoch) in self._ran
+            progress,
+            epoch=role.epoch,
+            holds_state=(job.job_id, role.epoch) in self._ran,
+            now=dht_time(),
+            idle_after_s=self.config.idle_after_s,
         )
         if not allowed:
             if progress is not None and progress.finished:
@@ -205,6 +213,8 @@ class JobSupervisor:
     async def _starting_state(self, role: StageRole, progress: ProgressView | None) -> StageState | None:
         held = self._held.get(role.job_id)
         previous = self._previous.get(role.job_id)
+        if previous is None and role.data_start > 0 and progress is not None:
+            return await self._state_for_a_newcomer(role, progress)
         if previous is None or previous.epoch == role.epoch:
             # the job's first plan here, or a retry on the same plan (nothing moved)
             return (
@@ -214,11 +224,15 @@ class JobSupervisor:
             )
         allowed = previous.plan_peers
         alive = set(self.alive()) if self.alive is not None else set(allowed)
+        positions = dict(self._positions.get(role.job_id, {}))
+        for key, position in (progress.positions if progress is not None else {}).items():
+            positions[key] = max(positions.get(key, 0), position)
         order = freshest_first(
-            progress.positions if progress is not None else {},
+            positions,
             epoch=previous.epoch,
             num_clusters=previous.num_clusters,
             prefer=role.cluster_index,
+            tie_micro_batches=self.config.replica_tie_micro_batches,
         )
         segments = state_sources(previous.assignment, role, alive=alive, cluster_order=order)
         state, self.last_origin = await gather_state(
@@ -230,6 +244,31 @@ class JobSupervisor:
             previous_epoch=previous.epoch,
         )
         logger.info("job %s: stage state from %s", role.job_id, self.last_origin)
+        return state
+
+    async def _state_for_a_newcomer(self, role: StageRole, progress: ProgressView) -> StageState | None:
+        """State for a peer that never ran this job here although the job already trained.
+
+        It joined mid-job or restarted: ask the plan's other holders of its layers (the only peers asked)
+        for them as they held them on the newest earlier plan, then the newest checkpoint; else the
+        layers start from the initial weights.
+        """
+        earlier = [epoch for epoch, _ in progress.positions if epoch < role.epoch]
+        previous_epoch = max(earlier, default=role.epoch)
+        allowed = role.plan_peers - {self.peer_id}
+        alive = set(self.alive()) if self.alive is not None else set(allowed)
+        # by cluster index, as every peer ranks replicas within `replica_tie_micro_batches` of each other
+        order = list(range(len(role.assignment)))
+        segments = state_sources(role.assignment, role, alive=alive, cluster_order=order)
+        state, self.last_origin = await gather_state(
+            role,
+            segments,
+            held=None,
+            source=self.state_source,
+            allowed=allowed,
+            previous_epoch=previous_epoch,
+        )
+        logger.info("job %s: newcomer's stage state from %s", role.job_id, self.last_origin)
         return state
 
     async def _run(self, job: JobSpec, owner: str, role: StageRole, progress: ProgressView | None) -> None:
@@ -323,6 +362,10 @@ class JobSupervisor:
                 self._keep(role, runner)
                 return
             progress = await self._read(read_progress(self.dht, job.job_id, owner_peer_id=owner))
+            if progress is not None:
+                seen = self._positions.setdefault(job.job_id, {})
+                for key, position in progress.positions.items():
+                    seen[key] = max(seen.get(key, 0), position)
             if progress is not None and progress.stopped and not runner.stop_requested.is_set():
                 logger.info("job %s: stopped by its owner; finishing", job.job_id)
                 runner.stop_requested.set()

@@ -59,6 +59,16 @@ class SupervisorConfig(BaseModel):
         ge=0,
         description="wait before retrying one plan (a dead neighbour's re-plan comes first)",
     )
+    idle_after_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="a job whose progress is older than this is idle: a restarted peer may start it",
+    )
+    replica_tie_micro_batches: int = Field(
+        default=64,
+        ge=0,
+        description="replicas this close in data position are tied: a hand-over takes them by cluster index",
+    )
 
 
 class PlanSource(Protocol):

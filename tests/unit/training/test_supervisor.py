@@ -325,6 +325,12 @@ def test_sources_follow_the_freshest_cluster_so_a_stage_is_not_stitched_from_sta
     # a cluster whose first stage already reports a newer plan: no ranking (the default order instead)
     assert freshest_first({(1, 1): 5, (1, 2): 7}, epoch=1, num_clusters=3, prefer=2) is None
     assert freshest_first({(1, 0): 5, (1, 1): 5, (1, 2): 5}, epoch=1, num_clusters=3, prefer=2) == [2, 0, 1]
+    # near-tied replicas: every peer ranks them by index, whatever its own cluster and its read's moment
+    racing = {(1, 0): 300, (1, 1): 330, (1, 2): 100}
+    for prefer in (0, 1, 2):
+        order = freshest_first(racing, epoch=1, num_clusters=3, prefer=prefer, tie_micro_batches=64)
+        assert order == [0, 1, 2]
+    assert freshest_first(racing, epoch=1, num_clusters=3, prefer=2, tie_micro_batches=16) == [1, 0, 2]
 
 
 async def test_an_idle_peer_drains_at_once():
@@ -380,3 +386,84 @@ async def test_drain_ends_when_the_job_trains_on_a_plan_our_own_membership_never
             JobProgress(job_id="j", peer_id="b", epoch=2, cluster=0, epoch_start=40, micro_batches=44),
         )
         await asyncio.wait_for(drain, 5)
+
+
+async def test_the_freshest_replica_is_remembered_when_its_first_stage_already_runs_the_next_plan():
+    """The lab bug: the healthy cluster's first stage started the new plan first, so its old position
+    vanished from the progress; the stalled cluster ranked first and a stage was stitched from it."""
+    dht, runners, plans = FakeDHT("me"), FakeRunners(), FakePlans()
+    await publish(dht, JOB)
+    plans.active_workload = "j"
+    plans.active_plan = make_plan(1, [("a", 0, 2), ("b", 2, 3)], [("me", 0, 2), ("x", 2, 3)])
+    source = FakeStateSource({"a": 300.0, "b": 200.0})
+    sup, _ = supervisor(dht, runners, plans=plans, state_source=source, alive=lambda: {"me", "a", "b"})
+    first_stage_a = dht.as_signer("a")
+    async with running(sup):
+        await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run 1")
+        await publish_progress(
+            first_stage_a, JobProgress(job_id="j", peer_id="a", epoch=1, cluster=0, micro_batches=100)
+        )
+        await publish_progress(
+            dht, JobProgress(job_id="j", peer_id="me", epoch=1, cluster=1, micro_batches=40)
+        )
+        await wait_until(lambda: sup._positions.get("j", {}).get((1, 0)) == 100, 5, message="positions read")
+        # x died; a already runs the next plan, and its record no longer shows how far cluster 0 got
+        await publish_progress(
+            first_stage_a,
+            JobProgress(job_id="j", peer_id="a", epoch=2, cluster=0, epoch_start=100, micro_batches=100),
+        )
+        plans.active_plan = make_plan(2, [("a", 0, 2), ("b", 2, 3)], [("me", 0, 3)])
+        await wait_until(lambda: len(runners.made) == 2, 5, message="run 2")
+    # every layer from the furthest replica (cluster 0), none of our stale copy
+    assert sup.last_origin == {"0-2": "a", "2-3": "b"}
+    assert torch.equal(runners.made[1].initial_state.tensors["0.weight"], torch.full((2,), 300.0))
+
+
+async def test_a_peer_joining_mid_job_takes_its_layers_from_their_holder_on_the_previous_plan():
+    dht, runners, plans = FakeDHT("me"), FakeRunners(), FakePlans()
+    await publish(dht, JOB)
+    for peer, cluster in (("a", 0), ("c", 1)):
+        writer = dht.as_signer(peer)
+        await publish_progress(
+            writer, JobProgress(job_id="j", peer_id=peer, epoch=2, cluster=cluster, micro_batches=50)
+        )
+    plans.active_workload = "j"
+    # the plan that adds us (epoch 3): we never ran the job, our cluster-mates hold other layers
+    plans.active_plan = make_plan(3, [("a", 0, 2), ("b", 2, 3)], [("c", 0, 2), ("me", 2, 3)])
+    source = FakeStateSource({"b": 200.0}, checkpoint_tag=700.0)
+    alive = {"me", "a", "b", "c"}
+    sup, _ = supervisor(dht, runners, plans=plans, state_source=source, alive=lambda: alive)
+    async with running(sup):
+        await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run")
+    run = runners.made[0]
+    assert run.role.data_start == 50
+    assert [(p, f, e) for p, f, e, _ in source.calls] == [("b", 2, 3)]
+    assert source.calls[0][3] == {"a", "b", "c"}  # only the plan's other members
+    assert source.epochs == [2]  # b's layers as it held them on the previous plan
+    assert sup.last_origin == {"2-3": "b"}
+    assert torch.equal(run.initial_state.tensors["2.weight"], torch.full((2,), 202.0))
+
+
+async def test_every_peer_restarted_may_start_the_job_again_once_its_progress_is_idle():
+    """A full restart: nobody holds epoch 0's state, so nobody would ever start it again."""
+    dht, runners = FakeDHT("me"), FakeRunners()
+    await publish(dht, ASSIGNED)
+    first_stage = dht.as_signer("a")
+    await publish_progress(first_stage, JobProgress(job_id="j", peer_id="a", cluster=0, micro_batches=40))
+    source = FakeStateSource({}, checkpoint_tag=700.0)
+    sup, _ = supervisor(dht, runners, state_source=source)
+    assert await sup.step() is None  # the record is fresh: a pipeline may still train without us
+    progress = await read_progress(dht, "j", owner_peer_id=None)
+    assert progress is not None
+    assert progress.updated_at > 0
+    idle, _ = supervisor(dht, runners, state_source=source)
+    idle.config = idle.config.model_copy(update={"idle_after_s": 1e-3})
+    await asyncio.sleep(0.01)  # the record ages past the (tiny) idle bound
+    async with running(idle):
+        await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run")
+    run = runners.made[0]
+    assert run.role.data_start == 40
+    # nobody serves the layers any more: they come from the checkpoint
+    assert source.checkpoint_calls == [(1, 3)]
+    assert idle.last_origin == {"1-3": "checkpoint"}
+    assert torch.equal(run.initial_state.tensors["2.weight"], torch.full((2,), 702.0))

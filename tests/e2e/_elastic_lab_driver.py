@@ -1,0 +1,139 @@
+"""The researcher of the elastic lab tests, run inside a lab namespace (the root namespace cannot reach
+the peers): publish a job without an assignment, wait until two clusters learn on one agreed plan, then
+disturb the swarm and measure how the job carries on.
+
+Run as ``python -m tests.e2e._elastic_lab_driver --initial-peers M.. --run-id R --job JSON --logs DIR
+--pids JSON --mode kill|join --out FILE`` from the repository root.
+
+- ``kill``: SIGKILL the process group of one stage of cluster 1 (``--pids`` maps peer id -> pid of its
+  process group leader) and measure the time until the job trains on a newer plan, and the held-out loss
+  the new plan resumes at.
+- ``join``: write ``DIR/join_now`` and let the test start one more peer; measure the time until a plan
+  that names the joiner trains, and the loss it resumes at.
+
+Either way the owner then stops the job and the driver writes what it measured (JSON) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from ravnest_p2p.client import RunClient, newest_epoch
+from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.metrics import StageMetrics
+
+INITIAL_LOSS = 2.30  # ln(10)
+_RESUMED = re.compile(r"resumed at micro-batch (\d+): held-out loss ([0-9.]+)")
+_EVALUATED = re.compile(r"\] micro-batch (\d+): held-out loss ([0-9.]+)")
+
+
+async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout_s: float, *, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        await asyncio.sleep(0.25)
+
+
+def logged(logs: list[Path], pattern: re.Pattern[str]) -> list[tuple[int, float]]:
+    found = []
+    for path in logs:
+        text = path.read_text(errors="replace") if path.exists() else ""
+        found += [(int(p), float(loss)) for p, loss in pattern.findall(text)]
+    return sorted(found)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    job = JobSpec.model_validate_json(args.job)
+    pids: dict[str, int] = json.loads(args.pids)
+    logs_dir = Path(args.logs)
+    log_of = {peer_id: logs_dir / f"peer{i}.log" for i, peer_id in enumerate(pids)}
+    result: dict[str, Any] = {"mode": args.mode}
+    async with await RunClient.connect(args.initial_peers, args.run_id) as client:
+        await client.wait_for_peers(len(pids), timeout_s=180, measured=False)
+        await client.publish_job(job)
+        published_at = time.monotonic()
+        plan: list[StageMetrics] = []
+
+        async def learned() -> bool:
+            nonlocal plan
+            plan = newest_epoch(await client.metrics(job_id=job.job_id))
+            firsts = [m for m in plan if m.stage == 0]
+            return (
+                len(firsts) == 2
+                and len(plan) == len(pids)
+                and all(m.eval_loss is not None and m.eval_loss < args.learned_loss for m in firsts)
+            )
+
+        await wait_for(learned, 420, what="two clusters learning on one plan")
+        epoch = plan[0].epoch
+        result["plan_before"] = sorted((m.cluster, m.stage, m.peer_id) for m in plan)
+        result["learned_after_s"] = time.monotonic() - published_at
+        if args.mode == "kill":
+            last = max(m.stage for m in plan if m.cluster == 1)
+            victim = next(m.peer_id for m in plan if m.cluster == 1 and m.stage == last)
+            os.killpg(pids[victim], signal.SIGKILL)
+            result["victim"] = victim
+            watched = [path for peer_id, path in log_of.items() if peer_id != victim]
+        else:
+            (logs_dir / "join_now").write_text("1")
+            watched = list(log_of.values()) + [logs_dir / "joiner.log"]
+        disturbed_at = time.monotonic()
+        position_at, loss_at = logged(watched, _EVALUATED)[-1]
+
+        async def training_on_a_new_plan() -> bool:
+            progress = await client.progress(job.job_id)
+            return progress is not None and progress.epoch > epoch and progress.started_epoch
+
+        await wait_for(training_on_a_new_plan, 180, what="training on a new plan")
+        result["training_again_after_s"] = time.monotonic() - disturbed_at
+
+        def resumed() -> list[tuple[int, float]]:
+            return [r for r in logged(watched, _RESUMED) if r[0] > position_at // 2]
+
+        async def resumption_logged() -> bool:
+            return bool(resumed())
+
+        await wait_for(resumption_logged, 60, what="a first stage's resumption in the logs")
+        result["resumed"] = resumed()
+        result["loss_at_disturbance"] = loss_at
+        result["position_at_disturbance"] = position_at
+        first_resumed = min(p for p, _ in result["resumed"])
+        result["loss_before_replan"] = max(e for e in logged(watched, _EVALUATED) if e[0] <= first_resumed)[1]
+        new_plan = newest_epoch(await client.metrics(job_id=job.job_id))
+        result["plan_after"] = sorted((m.cluster, m.stage, m.peer_id) for m in new_plan if m.epoch > epoch)
+        # train on for a while on the new plan, then stop and collect the done metrics
+        await asyncio.sleep(args.train_on_s)
+        await client.stop_job(job.job_id)
+        final = await client.wait_for_job(job, timeout_s=180, poll_s=1.0)
+        result["final"] = [m.model_dump(mode="json") for m in final]
+        result["epoch_before"] = epoch
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--initial-peers", nargs="+", required=True)
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--pids", required=True, help="JSON: peer id -> pid, in peer index order")
+    parser.add_argument("--logs", required=True)
+    parser.add_argument("--mode", choices=("kill", "join"), required=True)
+    parser.add_argument("--learned-loss", type=float, default=0.6 * INITIAL_LOSS)
+    parser.add_argument("--train-on-s", type=float, default=10.0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    Path(args.out).write_text(json.dumps(asyncio.run(run(args))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""End to end: SIGTERM every peer of a running job, start them again with the same identities.
+
+Four peer CLI processes (and a stock hivemind-dht bootstrap, which keeps the job and its progress on the
+DHT while the peers are down) train a job on the agreed plan with a checkpoint every 16 optimizer steps,
+each peer into its own `checkpoint_dir` (per-peer `--config` TOML). Once the job has clearly learned and
+checkpointed, every peer gets SIGTERM; then all four start again with their identity keys and configs.
+The test checks that the job trains again, that it resumes from the checkpoints (the held-out loss at the
+resumption is not back at the initial loss, and within one checkpoint period of where it was), and that
+after the owner stops it `wait_for_job` returns its done metrics with a learned accuracy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from ravnest_p2p.client import RunClient, newest_epoch
+from ravnest_p2p.runtime.optim import OptimizerConfig
+from ravnest_p2p.swarm import LocalSwarm, PeerProcess
+from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.transport import load_or_create_identity
+from tests.e2e.test_elastic import INITIAL_LOSS, PEER_CONFIG, logged_losses, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+# Measured (21:33 UTC run): the peers start again (31.7 s after the restart, once the progress is idle),
+# but the plan agreed after the restart puts peers on layers whose checkpoints are on other peers' disks;
+# `HandoverStateSource.from_checkpoint` reads only this peer's own disk (`checkpoint_fetch` can read the
+# others' but is not wired into the supervisor's sources), so those layers restart from the initial
+# weights: resumed at held-out loss 2.2474 (initial 2.30) against 0.3601 at the stop.
+_NOT_YET = "after a full restart, layers whose checkpoints are on another peer's disk restart from scratch"
+
+RUN_ID = "fullrestart"
+NUM_PEERS = 4
+CHECKPOINT_EVERY_STEPS = 16
+_RESUMED = re.compile(r"resumed at micro-batch (\d+): held-out loss ([0-9.]+)")
+_EVALUATED = re.compile(r"\] micro-batch (\d+): held-out loss ([0-9.]+)")
+
+
+def restart_job() -> JobSpec:
+    return JobSpec(
+        job_id="restart",
+        model="digits_cnn",
+        dataset="digits",
+        batch_size=32,
+        until_stopped=True,
+        min_stages=2,
+        eval_every_steps=16,
+        averaging_period_steps=8,
+        checkpoint_every_steps=CHECKPOINT_EVERY_STEPS,
+        optimizer=OptimizerConfig(name="adam", lr=2e-3),
+    )
+
+
+@pytest.mark.xfail(reason=_NOT_YET, strict=False)
+async def test_every_peer_restarted_resumes_the_job_from_its_checkpoints(tmp_path: Path):
+    per_peer: list[list[str]] = []
+    for i in range(NUM_PEERS):
+        identity = load_or_create_identity(tmp_path / f"id{i}.key")
+        config = tmp_path / f"peer{i}.toml"
+        config.write_text(f'checkpoint_dir = "{tmp_path / f"ckpt{i}"}"\n' + PEER_CONFIG)
+        per_peer.append(["--config", str(config), "--identity-path", str(identity.path)])
+    job = restart_job()
+    with LocalSwarm(
+        NUM_PEERS, run_id=RUN_ID, bootstrap="hivemind-dht", per_peer_args=per_peer, workdir=tmp_path
+    ) as swarm:
+        async with await RunClient.connect(swarm.initial_peers, RUN_ID) as client:
+            await client.wait_for_peers(NUM_PEERS, timeout_s=90, measured=False)
+            await client.publish_job(job)
+
+            async def learned_and_checkpointed() -> bool:
+                plan = newest_epoch(await client.metrics(job_id=job.job_id))
+                firsts = [m for m in plan if m.stage == 0]
+                checkpoints = [
+                    p for i in range(NUM_PEERS) for p in (tmp_path / f"ckpt{i}").rglob("*") if p.is_file()
+                ]
+                return (
+                    len(plan) == NUM_PEERS
+                    and len(firsts) == 2
+                    and all(m.eval_loss is not None and m.eval_loss < 0.6 * INITIAL_LOSS for m in firsts)
+                    and bool(checkpoints)
+                )
+
+            await wait_for(learned_and_checkpointed, 300, what="two clusters learning and checkpointing")
+            before = await client.progress(job.job_id)
+            assert before is not None
+            first_run: list[PeerProcess] = list(swarm.peers)
+            for peer in first_run:
+                peer.popen.send_signal(signal.SIGTERM)
+            stopped_at = time.monotonic()
+            codes = [await asyncio.to_thread(peer.popen.wait, 90) for peer in first_run]
+            down_after_s = time.monotonic() - stopped_at
+            position_at_stop, loss_at_stop = logged_losses(first_run, _EVALUATED)[-1]
+            steps_at_stop = (await client.progress(job.job_id) or before).optimizer_steps
+
+            restarted = [
+                swarm._spawn(f"peer{i}-again", swarm._peer_argv(per_peer[i])) for i in range(NUM_PEERS)
+            ]
+            swarm.peers.extend(restarted)
+            for peer in restarted:
+                peer.wait_ready(60)
+            started_at = time.monotonic()
+
+            async def resumption_logged() -> bool:
+                return bool(logged_losses(restarted, _RESUMED))
+
+            await wait_for(resumption_logged, 240, what="a first stage's resumption after the restart")
+            resumed_after_s = time.monotonic() - started_at
+            resumed = logged_losses(restarted, _RESUMED)
+            origins = [line for peer in restarted for line in peer.log().splitlines() if "state from" in line]
+
+            async def trained_on() -> bool:
+                progress = await client.progress(job.job_id)
+                return progress is not None and progress.micro_batches > position_at_stop + 64
+
+            await wait_for(trained_on, 180, what="training on after the restart")
+            after = await client.progress(job.job_id)
+            await client.stop_job(job.job_id)
+            final = await client.wait_for_job(job, timeout_s=180, poll_s=1.0)
+        firsts = [m for m in final if m.stage == 0]
+        print(
+            f"full restart: peers down after {down_after_s:.1f}s (codes {codes}); training again "
+            f"{resumed_after_s:.1f}s after the restart; held-out loss at the stop {loss_at_stop:.4f} "
+            f"(micro-batch {position_at_stop}, {steps_at_stop} optimizer steps), resumed at {resumed}; "
+            f"state origins {origins}; final accuracy {[m.eval_accuracy for m in firsts]}"
+        )
+    assert after is not None
+    assert all(loss < 0.5 * INITIAL_LOSS for _, loss in resumed), resumed  # not back at the start
+    assert any("checkpoint" in line for line in origins), origins
+    assert firsts
+    assert all(m.done for m in firsts), final
+    assert all(m.eval_accuracy is not None and m.eval_accuracy > 0.9 for m in firsts), firsts
