@@ -151,10 +151,10 @@ def _spread(values: list[float]) -> dict[str, float]:
     }
 
 
-def main(quick: bool = False) -> None:
+def main(quick: bool = False, blocks: int | None = None) -> None:
     from benchmarks.harness import machine_facts
 
-    blocks = 2 if quick else 3
+    blocks = blocks or (2 if quick else 3)
     passes, numel, rounds = (4, 1 << 19, 6) if quick else (8, 1 << 19, 10)
     base = Path(tempfile.mkdtemp(prefix="trust-base-")) / "tree"
     subprocess.run(["git", "worktree", "add", "--detach", str(base), BASE], cwd=_ROOT, check=True)
@@ -263,9 +263,10 @@ if __name__ == "__main__":
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--numel", type=int, default=1 << 19)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--blocks", type=int, default=None, help="ABBA blocks (default 3; quick 2)")
     cli = parser.parse_args()
     if cli.worker:
         _worker(cli.passes, cli.numel, cli.rounds)
     else:
         sys.path.insert(0, str(_ROOT))
-        main(quick=cli.quick)
+        main(quick=cli.quick, blocks=cli.blocks)
