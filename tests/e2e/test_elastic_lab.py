@@ -29,6 +29,7 @@ from ravnest_p2p.swarm import poll_until
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import StageMetrics
 from ravnest_p2p.transport import load_or_create_identity
+from tests.e2e._config import FAST_MEMBERSHIP_PEER_CONFIG
 from tests.integration.lab._support import assert_no_leftovers, requires_netns, unique_prefix
 
 pytestmark = [pytest.mark.slow, *requires_netns, pytest.mark.timeout(900)]
@@ -37,26 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 PORT = 31447
 LINK_MBPS = 100.0
 INITIAL_LOSS = 2.30  # ln(10): ten digit classes, an untrained model
-PEER_CONFIG = """
-record_ttl_s = 6.0
-directory_refresh_s = 0.5
-check_identity_free = false
-job_poll_s = 0.5
-status_interval_s = 30.0
-
-[probe]
-period_s = 300.0
-initial_probe_bytes = 65536
-max_probe_bytes = 131072
-
-[membership]
-gossip_period_s = 0.5
-stable_rounds = 3
-hysteresis_s = 1.0
-join_delay_s = 1.0
-grace_s = 3.0
-agreement_timeout_s = 20.0
-"""
+PEER_CONFIG = FAST_MEMBERSHIP_PEER_CONFIG
 
 
 def elastic_job(min_stages: int) -> JobSpec:

@@ -31,32 +31,14 @@ from ravnest_p2p.swarm import LocalSwarm, PeerProcess
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import StageMetrics
 from ravnest_p2p.training.replicas import FINAL_ROUND
+from tests.e2e._config import FAST_MEMBERSHIP_PEER_CONFIG
 
 pytestmark = pytest.mark.timeout(420)
 
 RUN_ID = "ringfault"
 PERIOD_STEPS = 8
 # fast membership: a dead peer's record expires in 6 s, it is dropped 3 s later
-PEER_CONFIG = """
-record_ttl_s = 6.0
-directory_refresh_s = 0.5
-check_identity_free = false
-job_poll_s = 0.5
-status_interval_s = 30.0
-
-[probe]
-period_s = 300.0
-initial_probe_bytes = 65536
-max_probe_bytes = 131072
-
-[membership]
-gossip_period_s = 0.5
-stable_rounds = 3
-hysteresis_s = 1.0
-join_delay_s = 1.0
-grace_s = 3.0
-agreement_timeout_s = 20.0
-"""
+PEER_CONFIG = FAST_MEMBERSHIP_PEER_CONFIG
 
 
 async def wait_for(
