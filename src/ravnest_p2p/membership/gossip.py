@@ -64,7 +64,8 @@ MAX_BUCKETS = GOSSIP_MAX_BUCKETS
 MAX_ITEMS = GOSSIP_MAX_ITEMS
 _Hex16 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
 _Hex64 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
-_PeerId = Annotated[
+# a peer id as membership messages carry it (gossip items, suspect reports): one bound for both
+PeerIdText = Annotated[
     str, StringConstraints(min_length=1, max_length=GOSSIP_PEER_ID_MAX_CHARS, pattern=r"^[A-Za-z0-9_-]+$")
 ]
 
@@ -74,7 +75,7 @@ class _Msg(BaseModel):
 
 
 class GossipItem(_Msg):
-    peer_id: _PeerId
+    peer_id: PeerIdText
     version: float = Field(ge=0, le=1e12)
     digest: Annotated[str, StringConstraints(pattern=r"^([0-9a-f]{16})?$")]
 

@@ -34,6 +34,7 @@ from typing import Annotated, Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from ravnest_p2p.discovery import RunDHT
+from ravnest_p2p.membership.gossip import PeerIdText
 from ravnest_p2p.transport import RpcMethod
 
 __all__ = [
@@ -54,8 +55,6 @@ SUSPECTS_KEY = "suspects"
 SCHEMA_VERSION = 1
 MAX_SUSPECTS = 32
 
-_PeerId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
-
 
 class _Msg(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore", allow_inf_nan=False)
@@ -67,7 +66,7 @@ class SuspectKind(StrEnum):
 
 
 class Suspect(_Msg):
-    peer_id: _PeerId
+    peer_id: PeerIdText
     kind: SuspectKind
     reason: Annotated[str, StringConstraints(max_length=200)] = ""
     epoch: int = Field(ge=0, le=2**62)
