@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,12 @@ class Target:
     peer_id: str
     namespace: str
     methods: dict[str, RpcMethod[Any, Any]]  # what it serves when the attack starts (`RpcEndpoint.served`)
+    # whether it still serves a method now (None: unknown): a call that got no reply from a peer that
+    # has since stopped serving that method (its job ended) is `stopped`, not a dropped request
+    serving: Callable[[str], bool] | None = None
+
+    def stopped(self, method: str) -> bool:
+        return self.serving is not None and not self.serving(method)
 
 
 def _verdict(reply: bytes) -> str:
@@ -173,7 +179,7 @@ async def _well_formed(
             counts.crashes += exc.code == "internal"
             counts.note(f"{method.name}:{exc.code}")
         except TransportError:
-            counts.note(f"{method.name}:no_reply")
+            counts.note(f"{method.name}:{'stopped' if target.stopped(method.name) else 'no_reply'}")
     if PROBE.name in target.methods and not _over(deadline, stop):
         # a probe asking for more than the cap: refused by the wire's size check (a `ProbeRequest`
         # bypassing its own validation, as a stranger's encoder would)

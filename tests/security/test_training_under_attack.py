@@ -87,7 +87,10 @@ async def _train_under_attack(
 
             await wait_until(serving, 120, "the three stages serve")
             assert not waiting.done(), "the job ended before the attack began: make it longer"
-            targets = [Target(p.peer_id, p.rpc.namespace, dict(p.rpc.served)) for p in peers]
+            targets = [
+                Target(p.peer_id, p.rpc.namespace, dict(p.rpc.served), serving=p.rpc.served.__contains__)
+                for p in peers
+            ]
             assert set().union(*(t.methods for t in targets)) >= STAGE_METHODS | {
                 "gossip_view",
                 "probe_bandwidth",

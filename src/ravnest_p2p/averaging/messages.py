@@ -45,6 +45,8 @@ class StatusReply(WireModel):
     alive: bool
     attempt: int = Field(ge=0, le=1000)
     done: bool = False
+    # not in the round yet, but a member of this epoch's ring that will reach it (a final round waits)
+    behind: bool = False
     # bounded so that a maximal reply fits its envelope (tests/unit/foundation/test_limits.py)
     members: list[Annotated[str, StringConstraints(max_length=128)]] = Field(
         default_factory=list, max_length=1024

@@ -131,8 +131,11 @@ class Averager:
         self._last_round = 0  # round r starts once step r * period_steps is done
         self.history: list[RoundMetrics] = []
 
-    async def run_round(self, round_index: int) -> RoundMetrics | None:
+    async def run_round(self, round_index: int, *, wait_for_all: bool = False) -> RoundMetrics | None:
         """Snapshot, average the snapshot with the other replicas, apply θ̄ + (θ_now - θ0).
+
+        `wait_for_all`: wait (up to the round deadline) for ring members that have not reached the round
+        yet instead of leaving them out (`RingAllReduce.all_reduce`): for the closing round.
 
         Returns:
             The round's metrics, or None if there is no plan or nothing to average.
@@ -146,7 +149,7 @@ class Averager:
         snapshot = await run_in_compute_thread(self._snapshot, names)
         rates = None if self._link_rates is None else self._link_rates()
         averaged, metrics = await self.rings.all_reduce(
-            shard_map, snapshot, round_index=round_index, link_rates=rates
+            shard_map, snapshot, round_index=round_index, link_rates=rates, wait_for_all=wait_for_all
         )
         averaged_rings = {r.ring_id for r in metrics.rings if len(r.participants) > 1}
         in_average = {n for s in shard_map.shards if s.ring_id in averaged_rings for n in s.names}

@@ -50,7 +50,10 @@ every message carries a digest of the member list, so two members that disagree 
 complete an attempt together (they fail and probe again). A probe answer that shows a later attempt is
 adopted as is (skip ahead), which makes views converge; a member left out of it gives up for the round.
 After `max_attempts` or the round deadline, a member keeps its local values for this round: a slow or
-partitioned member costs its own averaging, never the others' training.
+partitioned member costs its own averaging, never the others' training. A closing round
+(`wait_for_all`, after which the replicas must agree) also waits for members that answer the probe as
+*behind* (in this epoch's ring, not in the round yet: their cluster is still finishing its last steps),
+re-probing them until they arrive or the round deadline is near; a periodic round does not wait.
 
 Alternatives rejected. Resuming from partial sums after a failure (saves a restart) needs every
 survivor to agree on which parts of the dead member were already folded in, i.e. a consensus per part;
@@ -124,6 +127,7 @@ class RingAllReduce:
         self._changed = asyncio.Event()
         self.early = EarlySlots(self.config.max_buffered_messages, allow_early)
         self._serving = False
+        self._expected: ShardMap | None = None  # the map of the coming (or running) round
 
     @property
     def peer_id(self) -> str:
@@ -150,6 +154,7 @@ class RingAllReduce:
     def expect(self, shard_map: ShardMap) -> None:
         """Admit early streams of `shard_map`'s rings from their members only (call before a round)."""
         self.early.expect(shard_map)
+        self._expected = shard_map
 
     async def __aenter__(self) -> RingAllReduce:
         await self.start()
@@ -166,6 +171,7 @@ class RingAllReduce:
         *,
         round_index: int,
         link_rates: LinkRates | None = None,
+        wait_for_all: bool = False,
     ) -> tuple[dict[str, torch.Tensor], RoundMetrics]:
         """Average every shard this peer owns with the other owners; all rings run concurrently.
 
@@ -177,6 +183,9 @@ class RingAllReduce:
                 same figures at every member (e.g. the agreed plan's): chunks are then sized by rate
                 when `config.weighted_chunks` (`weights.py`). None = equal chunks. Members given
                 different rates refuse each other's streams.
+            wait_for_all: a member that answers that it has not reached this round yet (but will: it
+                is in this epoch's ring) is waited for, up to the round deadline, instead of being left
+                out of the next attempt. For a closing round, after which the replicas must agree.
 
         Returns:
             The averaged tensors (same names, shapes and dtypes) and this round's metrics. A ring that
@@ -186,7 +195,7 @@ class RingAllReduce:
             ValueError: a name of one of my shards is missing or has the wrong size.
         """
         started = time.monotonic()
-        self.early.expect(shard_map)
+        self.expect(shard_map)
         rates = link_rates if self.config.weighted_chunks else None
         shards = shard_map.shards_of(self.peer_id)
         for shard in shards:
@@ -194,7 +203,10 @@ class RingAllReduce:
                 if name not in tensors or tensors[name].numel() != numel:
                     raise ValueError(f"{name!r}: missing or not {numel} elements")
         results = await asyncio.gather(
-            *(self._run_ring(shard_map.epoch, shard, tensors, round_index, rates) for shard in shards)
+            *(
+                self._run_ring(shard_map.epoch, shard, tensors, round_index, rates, wait_for_all)
+                for shard in shards
+            )
         )
         averaged: dict[str, torch.Tensor] = {}
         for named, _ in results:
@@ -216,6 +228,7 @@ class RingAllReduce:
         tensors: Mapping[str, torch.Tensor],
         round_index: int,
         link_rates: LinkRates | None,
+        wait_for_all: bool = False,
     ) -> tuple[dict[str, torch.Tensor], RingMetrics]:
         started = time.monotonic()
         parts = [tensors[n] for n in shard.names]
@@ -263,7 +276,7 @@ class RingAllReduce:
                     if attempt + 1 >= self.config.max_attempts or time.monotonic() >= deadline:
                         members = None
                         break
-                    attempt, members = await self._reform(session, deadline)
+                    attempt, members = await self._reform(session, deadline, wait_for_all)
         finally:
             session.finish(done=True)
             self._notify()
@@ -317,9 +330,11 @@ class RingAllReduce:
             raise AttemptFailed(f"cannot open a stream to {session.right}: {exc!r}") from None
         await send_attempt(session, streams, self.config)
 
-    async def _reform(self, session: RingSession, deadline: float) -> tuple[int, tuple[str, ...] | None]:
+    async def _reform(
+        self, session: RingSession, deadline: float, wait_for_all: bool
+    ) -> tuple[int, tuple[str, ...] | None]:
         """After a failed attempt: probe the members; return the next (attempt, members) or None."""
-        return await reform(self.endpoint, session, self.config, deadline)
+        return await reform(self.endpoint, session, self.config, deadline, wait_for_all=wait_for_all)
 
     # ----- serving -------------------------------------------------------------------------------
     def _notify(self) -> None:
@@ -385,7 +400,7 @@ class RingAllReduce:
     ) -> StatusReply:
         session = self._sessions.get(req.ring_id)
         if session is None or session.round != req.round or session.epoch != req.epoch:
-            return StatusReply(alive=False, attempt=0)
+            return StatusReply(alive=False, attempt=0, behind=self._behind(req, ctx.remote_peer_id))
         prober_in = ctx.remote_peer_id in session.members
         if session.running and session.attempt <= req.failed_attempt and prober_in:
             session.stop_attempt()  # the prober's attempt failed, so ours cannot complete either
@@ -393,6 +408,17 @@ class RingAllReduce:
         return StatusReply(
             alive=True, attempt=max(session.attempt, 0), done=session.done, members=list(session.members)
         )
+
+    def _behind(self, req: StatusRequest, prober: str) -> bool:
+        """Whether this member has not reached `req`'s round of a ring it expects with the prober in it."""
+        expected = self._expected
+        if expected is None or expected.epoch != req.epoch:
+            return False
+        shard = next((s for s in expected.shards if s.ring_id == req.ring_id), None)
+        if shard is None or prober not in shard.ring or self.peer_id not in shard.ring:
+            return False
+        session = self._sessions.get(req.ring_id)
+        return session is None or session.epoch != req.epoch or session.round < req.round
 
 
 async def _discard(opening: asyncio.Task[list[tuple[ByteReader, ByteWriter]]]) -> None:

@@ -162,7 +162,8 @@ class ReplicaAverager:
     async def _run(self, round_index: int) -> RoundMetrics | None:
         epoch, num_replicas = self.shard_map.epoch, len(self.shard_map.shards[0].owners)
         logger.info("epoch %d: averaging round %d started", epoch, round_index)
-        metrics = await self.averager.run_round(round_index)
+        # the closing round waits for replicas that have not finished yet: after it, they all agree
+        metrics = await self.averager.run_round(round_index, wait_for_all=round_index == FINAL_ROUND)
         if metrics is not None:
             self.rounds.append(metrics)
             logger.info(

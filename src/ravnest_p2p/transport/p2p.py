@@ -370,7 +370,10 @@ class P2PTransport:
             TimeoutError,
         ) as exc:
             self._connected_at.pop(peer_id, None)
-            raise PeerUnreachable(f"call {name} to {peer_id} failed: {type(exc).__name__}: {exc}") from None
+            notes = "".join(f" ({note})" for note in getattr(exc, "__notes__", ()))
+            raise PeerUnreachable(
+                f"call {name} to {peer_id} failed: {type(exc).__name__}: {exc}{notes}"
+            ) from None
 
     async def aclose(self) -> None:
         await self._p2p.shutdown()

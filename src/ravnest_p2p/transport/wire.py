@@ -181,7 +181,9 @@ async def read_frame_body(
                     buffer, view = grown, memoryview(grown)  # type: ignore[arg-type]
                 chunk = await reader.read(min(len(view) - received, _READ_CHUNK_BYTES))
                 if not chunk:
-                    raise asyncio.IncompleteReadError(b"", length)
+                    ended = asyncio.IncompleteReadError(b"", length)
+                    ended.add_note(f"the stream ended after {received} of {length} frame bytes")
+                    raise ended
                 view[received : received + len(chunk)] = chunk
                 received += len(chunk)
                 now = loop.time()

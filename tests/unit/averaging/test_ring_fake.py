@@ -182,3 +182,44 @@ async def test_stalled_member_that_never_joins_the_round_is_dropped():
         assert all(len(r.participants) == 2 for r in metrics.rings)
         for name, value in averaged.items():
             torch.testing.assert_close(value.double(), survivors_mean[name], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("wait_for_all", [False, True])
+async def test_closing_round_waits_for_a_member_that_is_behind(wait_for_all):
+    """A member of the epoch's rings that reaches the round after several step deadlines: a closing
+    round (`wait_for_all`) waits for it and every replica gets the mean of both; a periodic round
+    leaves it out (the early member keeps its values, the late one finds the round over)."""
+    config = SMALL_PARTS.model_copy(update={"step_timeout_s": 0.5, "probe_timeout_s": 0.3})
+    _net, shard_map, servers, cluster_of = await fake_swarm(2, config)
+    replicas = [replica(0), replica(1)]
+    late = [p for p, c in cluster_of.items() if c == 1]
+    for peer in late:
+        servers[peer].expect(shard_map)  # as `ReplicaAverager.start` does: it knows the epoch's rings
+
+    def start(peer):
+        return asyncio.create_task(
+            servers[peer].all_reduce(
+                shard_map,
+                owned(shard_map, peer, replicas[cluster_of[peer]]),
+                round_index=7,
+                wait_for_all=wait_for_all,
+            )
+        )
+
+    early = {p: start(p) for p in servers if p not in late}
+    if not wait_for_all:  # the early members finish alone, by their attempts' deadlines
+        await asyncio.wait_for(asyncio.gather(*early.values()), 15)
+    else:  # the late members start after several step deadlines (not a wait for a condition)
+        await asyncio.sleep(4 * config.step_timeout_s)
+        assert not any(t.done() for t in early.values())
+    tasks = {**early, **{p: start(p) for p in late}}
+    results = dict(zip(tasks, await asyncio.wait_for(asyncio.gather(*tasks.values()), 30), strict=True))
+    expected = mean_of(replicas)
+    for peer, (averaged, metrics) in results.items():
+        for ring in metrics.rings:
+            assert len(ring.participants) == (2 if wait_for_all else 1), (peer, ring)
+        for name, value in averaged.items():
+            if wait_for_all:
+                torch.testing.assert_close(value.double(), expected[name], atol=1e-6, rtol=0)
+            else:
+                assert torch.equal(value, replicas[cluster_of[peer]][name])
