@@ -70,6 +70,20 @@ _DISCARD_IDLE_S = 2.0  # a sender still writing its refused body sends something
 _REPLY_TIMEOUT_S = 10.0  # writing an error reply to a sender that does not read it
 
 
+async def _linger(reader: asyncio.StreamReader, timeout_s: float) -> None:
+    """Keep a replied stream open until the caller closes it (it does once it has read the reply).
+
+    Closing first was seen to lose the end of a large reply (20 MiB, busy host): the daemon resets the
+    libp2p stream when the handler's side closes, and the reset overtook bytes the caller's daemon had
+    not yet delivered. The caller sends nothing after its request, so anything it does send is junk:
+    it is read and dropped, and the wait is bounded by `timeout_s` either way.
+    """
+    with contextlib.suppress(TimeoutError, ConnectionError):
+        async with asyncio.timeout(timeout_s):
+            while await reader.read(1 << 16):
+                pass
+
+
 class HostConfig(BaseModel):
     """How the libp2p host listens and joins. Defaults suit loopback tests."""
 
@@ -275,6 +289,8 @@ class P2PTransport:
                     reply = error_envelope("busy", f"no room for a reply of {len(reply)} bytes to {remote}")
                 async with asyncio.timeout(limits.frame_timeout_s(len(reply))):
                     await write_frame(writer, reply)
+                del reply
+                await _linger(reader, limits.idle_timeout_s)
             except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
                 logger.debug("stream %s from %s broke: %r", name, remote, exc)
 
