@@ -478,7 +478,11 @@ async def test_every_peer_restarted_may_start_the_job_again_once_its_progress_is
         await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run")
     run = runners.made[0]
     assert run.role.data_start == 40
-    # nobody serves the layers any more: they come from the checkpoint
+    # before anything ran, this peer served its checkpoints to the plan's members
+    assert source.shared[0] == ("j", {"a", "me"})
+    # nobody serves the layers any more: they come from the newest step complete across the model
     assert source.checkpoint_calls == [(1, 3)]
+    (query,) = source.checkpoint_queries
+    assert (query.job, query.num_layers, query.members) == (ASSIGNED, 3, {"a", "me"})
     assert idle.last_origin == {"1-3": "checkpoint"}
     assert torch.equal(run.initial_state.tensors["2.weight"], torch.full((2,), 702.0))
