@@ -8,7 +8,9 @@ complete across the whole model) or else the newest step whose checkpoints cover
 (`checkpoint_announce.newest_covering`), and assembles the range piece by piece: this peer's own
 file first (`local_root`), else the peer that wrote the piece (its `HandoverServer` serves its
 checkpoint files, `CheckpointRef`); a holder that fails or does not verify costs that holder, and the
-next one holding the same layers at that step is asked.
+next one holding the same layers at that step is asked. When none answers, `CheckpointUnavailable`
+says whether they only refused or were unreachable (`transient`: after a full restart a holder serves
+its files only once it knows the new plan) or something did not verify.
 
 Checks: a holder's listing must carry the announced manifest digest as its version and hash to the
 announced ``state_digest``, so a holder can serve only what it announced under its own signature; the
@@ -47,6 +49,7 @@ from ravnest_p2p.training.handover import (
     CheckpointRef,
     CorruptState,
     HandoverError,
+    HandoverRefused,
     fetch_state,
     list_state,
 )
@@ -61,7 +64,7 @@ from ravnest_p2p.training.stage_state import (
 from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import run_in_compute_thread
 
-__all__ = ["fetch_from_checkpoints", "local_announcement"]
+__all__ = ["CheckpointUnavailable", "fetch_from_checkpoints", "local_announcement"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +89,8 @@ async def fetch_from_checkpoints(
     digest) count; the caller filters them to the peers it trusts.
 
     Raises:
-        HandoverError: every holder of some layers failed or sent something that does not verify (the
-            caller may try an older step; nothing was changed).
+        CheckpointUnavailable: every holder of some layers failed or sent something that does not verify
+            (the caller may ask again, or try an older step; nothing was changed).
     """
     digest = job_digest(job)
     mine = [a for a in announcements if a.job_id == job.job_id and a.job_digest == digest]
@@ -113,6 +116,7 @@ async def fetch_from_checkpoints(
                 return None
             raise HandoverError(f"checkpoint {step} does not cover layer {covered}")
         failures: list[str] = []
+        transient = True
         for peer_id, record in candidates:
             hi = min(end_layer, record.end_layer)
             try:
@@ -124,13 +128,36 @@ async def fetch_from_checkpoints(
             except (HandoverError, CheckpointError) as exc:
                 logger.info("checkpoint %d of layers [%d, %d) from %s: %s", step, covered, hi, peer_id, exc)
                 failures.append(f"{peer_id[:16]}: {exc}")
+                transient = transient and _transient(exc)
                 continue
             parts.append(part)
             covered = hi
             break
         else:
-            raise HandoverError(f"no holder of checkpoint {step} of layer {covered} answered: {failures}")
+            raise CheckpointUnavailable(
+                f"no holder of checkpoint {step} of layer {covered} answered: {failures}", transient=transient
+            )
     return merge_states(parts)
+
+
+class CheckpointUnavailable(HandoverError):
+    """No holder of some piece of a checkpoint step answered with it.
+
+    Attributes:
+        transient: every holder only refused or could not be reached (e.g. it restarted and does not
+            serve its checkpoints yet): asking again a little later may succeed. False once a holder
+            sent or kept something that does not verify.
+    """
+
+    def __init__(self, message: str, *, transient: bool) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
+def _transient(exc: Exception) -> bool:
+    if isinstance(exc, HandoverRefused):
+        return exc.code in ("not_allowed", "no_state")  # not (yet) serving us: it learns the plan soon
+    return type(exc) is HandoverError  # the transport, or the deadline
 
 
 def _read_own(root: Path, job: JobSpec, record: CheckpointRecord, lo: int, hi: int) -> StageState:

@@ -11,8 +11,10 @@ Checkpoints: the step is the newest one complete across the whole model (`comple
 signed ``checkpoints`` announcements of the plan's members and this peer's own disk (every layer range
 it ever wrote, `checkpoint_fetch.local_announcement`), so every stage of a restarted job resumes from
 the same step. Its pieces come from this peer's own files first, else from the members that announced
-them (`checkpoint_fetch.fetch_from_checkpoints`: digests against the signed announcement, pages); a step
-whose pieces cannot all be had costs that step and the next older complete one is tried. With no
+them (`checkpoint_fetch.fetch_from_checkpoints`: digests against the signed announcement, pages). Holders
+that only refuse or cannot be reached are asked again for up to `checkpoint_wait_s` (after a full restart
+each serves its files once it knows the new plan); a step whose pieces cannot all be had then costs
+that step, and the next older complete one is tried. With no
 complete step at all, the newest checkpoint that covers the asked layers is used (logged).
 
 `share_checkpoints` serves this peer's checkpoint files of a job to the plan's members before any stage
@@ -22,6 +24,7 @@ runs here: after a full restart no stage serves them yet, and every peer needs t
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 from pathlib import Path
@@ -34,7 +37,11 @@ from ravnest_p2p.training.checkpoint import (
     job_digest,
     read_announcements,
 )
-from ravnest_p2p.training.checkpoint_fetch import fetch_from_checkpoints, local_announcement
+from ravnest_p2p.training.checkpoint_fetch import (
+    CheckpointUnavailable,
+    fetch_from_checkpoints,
+    local_announcement,
+)
 from ravnest_p2p.training.handover import (
     HandoverError,
     HandoverRefused,
@@ -65,6 +72,8 @@ class HandoverStateSource:
         attempts: fetch attempts per source while the owner's state changes mid-transfer, or while it
             refuses us (it has not yet seen the plan that lets us in).
         timeout_s: deadline of one fetch.
+        checkpoint_wait_s: how long the holders of a checkpoint step that only refuse or cannot be reached
+            are asked again before an older step is tried.
     """
 
     def __init__(
@@ -75,6 +84,7 @@ class HandoverStateSource:
         checkpoint_dir: Path | None = None,
         attempts: int = 5,
         timeout_s: float = 60.0,
+        checkpoint_wait_s: float = 30.0,
     ) -> None:
         self.rpc = rpc
         self.dht = dht
@@ -82,6 +92,7 @@ class HandoverStateSource:
         self.checkpoint_dir = checkpoint_dir or (Path(env) if env else None)
         self.attempts = attempts
         self.timeout_s = timeout_s
+        self.checkpoint_wait_s = checkpoint_wait_s
 
     async def fetch(
         self,
@@ -128,9 +139,13 @@ class HandoverStateSource:
         steps = complete_steps(
             announcements, job_id=job.job_id, num_layers=query.num_layers, job_digest=job_digest(job)
         )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.checkpoint_wait_s
         for step in steps[:_STEPS_TRIED]:
             try:
-                state = await self._fetch(announcements, query, first_layer, end_layer, step)
+                state = await self._fetch_waiting(
+                    announcements, query, first_layer, end_layer, step, deadline
+                )
             except (HandoverError, CheckpointError) as exc:
                 logger.warning(
                     "job %s: checkpoint %d of layers %d-%d unusable: %s",
@@ -163,6 +178,31 @@ class HandoverStateSource:
                 state.meta.num_steps if state.meta else "?",
             )
         return state
+
+    async def _fetch_waiting(
+        self,
+        announcements: list[CheckpointAnnouncement],
+        query: CheckpointQuery,
+        first_layer: int,
+        end_layer: int,
+        step: int,
+        deadline: float,
+    ) -> StageState | None:
+        """`_fetch` of `step`, asked again while its holders only refuse or are unreachable, until
+        `deadline` (loop time): after a full restart, a holder serves its files once it knows its role."""
+        loop = asyncio.get_running_loop()
+        for attempt in itertools.count():
+            try:
+                return await self._fetch(announcements, query, first_layer, end_layer, step)
+            except CheckpointUnavailable as exc:
+                pause = min(0.5 * (attempt + 1), 2.0)
+                if not exc.transient or loop.time() + pause > deadline:
+                    raise
+                logger.info(
+                    "checkpoint %d of layers %d-%d: asking again (%s)", step, first_layer, end_layer, exc
+                )
+                await asyncio.sleep(pause)
+        raise AssertionError("unreachable")
 
     async def _fetch(
         self,

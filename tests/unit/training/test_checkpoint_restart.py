@@ -6,6 +6,7 @@ Real stages, real checkpoint files, `HandoverStateSource` over the in-memory net
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -64,7 +65,9 @@ class Swarm:
             )
         return self.sources[peer]
 
-    async def save(self, peer: str, state: StageState, first: int, end: int, *steps: int) -> None:
+    async def save(
+        self, peer: str, state: StageState, first: int, end: int, *steps: int, share: bool = True
+    ) -> None:
         """`peer` writes `state` of layers [first, end) as checkpoints `steps`, announces and serves them."""
         job = placed(JOB, peer)
         writer = CheckpointWriter(
@@ -77,7 +80,8 @@ class Swarm:
             writer.save(state.subset(names_in_layers(state.tensors, first, end)), step=step)
         announcement = CheckpointAnnouncement.of(writer.saved(), peer_id=peer, updated_at=0.0)
         await announce_checkpoints(self.dht.as_signer(peer), announcement)
-        await self.source(peer).share_checkpoints(JOB.job_id, MEMBERS)
+        if share:
+            await self.source(peer).share_checkpoints(JOB.job_id, MEMBERS)
 
     async def restore(
         self, peer: str, first: int, end: int, *, members: frozenset[str] = MEMBERS
@@ -241,6 +245,26 @@ async def test_an_unusable_step_falls_back_to_the_previous_complete_one_never_to
     for peer, first, end in (("a", 0, 2), ("b", 2, 5)):
         swarm.path(peer, 1, first, end).write_bytes(b"\0" * 16)
     assert await swarm.restore("new", 0, 5) is None
+
+
+async def test_a_holder_that_does_not_serve_yet_is_asked_again_until_it_does(tmp_path):
+    """After a full restart a peer serves its files once it knows its role; the others may ask sooner."""
+    (one,) = trained(1)
+    swarm = Swarm(tmp_path)
+    await swarm.save("a", one, 0, 2, 1)
+    await swarm.save("b", one, 2, 5, 1, share=False)  # restarted, not yet on the plan: not serving
+    swarm.source("new").checkpoint_wait_s = 0.0
+    assert await swarm.restore("new", 0, 5) is None  # no waiting: the only complete step is not to be had
+    swarm.source("new").checkpoint_wait_s = 20.0
+    later = asyncio.get_running_loop().call_later(
+        0.3, lambda: asyncio.ensure_future(swarm.source("b").share_checkpoints(JOB.job_id, MEMBERS))
+    )
+    try:
+        state = await swarm.restore("new", 0, 5)
+    finally:
+        later.cancel()
+    assert state is not None
+    assert_bit_equal(state.tensors, layers(one, 0, 5))
 
 
 async def test_with_no_complete_step_the_newest_covering_checkpoint_is_used(tmp_path):
