@@ -143,7 +143,7 @@ class Peer:
             plans=self.membership,
             workload=_workload,
             start_runner=self._start_runner,
-            state_source=HandoverStateSource(self.rpc, checkpoint_dir=config.checkpoint_dir),
+            state_source=HandoverStateSource(self.rpc, dht=dht, checkpoint_dir=config.checkpoint_dir),
             suspects=self.membership,
             serve_to=self._serve_state_to,
             alive=lambda: set(self.directory.peers),  # draining peers still serve their state

@@ -48,6 +48,7 @@ from ravnest_p2p.training.checkpoint_announce import (
     CheckpointAnnouncement,
     CheckpointRecord,
     announce_checkpoints,
+    complete_steps,
     newest_complete,
     newest_covering,
     parse_announcement,
@@ -63,8 +64,10 @@ from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.stage_state import (
     StageState,
     StateMeta,
+    StateMismatch,
     TensorEntry,
     dtype_name,
+    names_in_layers,
     tensor_digest,
 )
 
@@ -79,6 +82,7 @@ __all__ = [
     "CheckpointWriter",
     "announce_checkpoints",
     "checkpoint_manifest_path",
+    "complete_steps",
     "job_digest",
     "list_checkpoints",
     "load_checkpoint",
@@ -114,9 +118,16 @@ class CheckpointConfig(BaseModel):
     dir: Path
 
 
+# JobSpec fields that say where the job runs, not what it is: a checkpoint written on one plan must
+# resume the job on any other (the supervisor hands its runner the job with the plan's assignment)
+_PLACEMENT_FIELDS = frozenset({"assignment"})
+
+
 def job_digest(job: JobSpec) -> str:
-    """sha256 of the JobSpec's canonical JSON: ties a checkpoint to the job that wrote it."""
-    canonical = json.dumps(job.to_wire(), sort_keys=True, separators=(",", ":"))
+    """sha256 of the JobSpec's canonical JSON without its placement (`_PLACEMENT_FIELDS`): ties a
+    checkpoint to the job that wrote it, on whatever plan it was written."""
+    identity = {k: v for k, v in job.to_wire().items() if k not in _PLACEMENT_FIELDS}
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -251,13 +262,18 @@ def read_manifest(path: Path) -> CheckpointManifest:
 
 
 def load_checkpoint(
-    path: Path, *, job: JobSpec | None = None, manifest_digest: str | None = None
+    path: Path,
+    *,
+    job: JobSpec | None = None,
+    manifest_digest: str | None = None,
+    layers: tuple[int, int] | None = None,
 ) -> tuple[CheckpointManifest, StageState]:
     """Load and verify a checkpoint given its manifest (``.json``) or data (``.safetensors``) path.
 
     Checks: the manifest parses (and, given `manifest_digest`, e.g. from an announcement, is that one);
     the data file's size and sha256; every tensor's name, dtype, shape (against the manifest) and
-    digest; finite values; with `job`, the JobSpec digest. Files are read one tensor at a time.
+    digest; finite values; with `job`, the JobSpec digest. Files are read one tensor at a time; with
+    `layers` (first, end), only the tensors of those layers are kept (the rest is hashed, not held).
 
     Raises:
         CheckpointError: any mismatch (nothing is returned).
@@ -271,11 +287,16 @@ def load_checkpoint(
     if Path(manifest.file).name != manifest.file:
         raise CheckpointError(f"{manifest_path.name}: data file {manifest.file!r} is not a plain name")
     try:
+        keep = None if layers is None else set(names_in_layers(manifest.tensors, *layers))
+    except StateMismatch as exc:
+        raise CheckpointError(f"{manifest_path.name}: {exc}") from None
+    try:
         tensors = read_safetensors(
             manifest_path.parent / manifest.file,
             manifest.tensors,
             file_bytes=manifest.file_bytes,
             file_sha256=manifest.file_sha256,
+            keep=keep,
         )
     except OSError as exc:
         raise CheckpointError(f"{manifest.file}: {exc}") from None

@@ -3,7 +3,8 @@
 Every stage owner keeps one value under its own signed subkey of the run's ``checkpoints`` key: the
 job, and the (step, layer range, manifest digest, state digest) of each checkpoint it keeps. Readers
 keep only values signed by the peer they name. `newest_covering` (pure) picks, for a layer range, the
-newest step whose checkpoints cover it; `newest_complete` does so for the whole model.
+newest step whose checkpoints cover it; `newest_complete` does so for the whole model, and
+`complete_steps` lists every step complete across the whole model, newest first.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointAnnouncement",
     "CheckpointRecord",
     "announce_checkpoints",
+    "complete_steps",
     "newest_complete",
     "newest_covering",
     "parse_announcement",
@@ -80,6 +82,38 @@ class CheckpointAnnouncement(WireModel):
         )
 
 
+def _by_step(
+    announcements: Sequence[CheckpointAnnouncement], job_id: str, job_digest: str | None
+) -> dict[int, list[tuple[str, CheckpointRecord]]]:
+    by_step: dict[int, list[tuple[str, CheckpointRecord]]] = {}
+    for announcement in announcements:
+        if announcement.job_id != job_id or (
+            job_digest is not None and announcement.job_digest != job_digest
+        ):
+            continue
+        for record in announcement.checkpoints:
+            if record.end_layer > record.first_layer:
+                by_step.setdefault(record.step, []).append((announcement.peer_id, record))
+    return by_step
+
+
+def _cover(
+    held: Sequence[tuple[str, CheckpointRecord]], first_layer: int, end_layer: int
+) -> list[tuple[str, CheckpointRecord]] | None:
+    """Records covering [first_layer, end_layer) in layer order (at each point the one reaching
+    furthest), or None."""
+    chosen: list[tuple[str, CheckpointRecord]] = []
+    covered = first_layer
+    while covered < end_layer:
+        candidates = [h for h in held if h[1].first_layer <= covered < h[1].end_layer]
+        if not candidates:
+            return None
+        best = max(candidates, key=lambda h: (h[1].end_layer, h[0]))
+        chosen.append(best)
+        covered = best[1].end_layer
+    return chosen
+
+
 def newest_covering(
     announcements: Sequence[CheckpointAnnouncement],
     *,
@@ -93,28 +127,24 @@ def newest_covering(
     Returns (step, [(peer id, record), ...]) with records chosen to cover the range in layer order (at
     each point the one reaching furthest), or None when no step covers it. Pure.
     """
-    by_step: dict[int, list[tuple[str, CheckpointRecord]]] = {}
-    for announcement in announcements:
-        if announcement.job_id != job_id or (
-            job_digest is not None and announcement.job_digest != job_digest
-        ):
-            continue
-        for record in announcement.checkpoints:
-            if record.end_layer > record.first_layer:
-                by_step.setdefault(record.step, []).append((announcement.peer_id, record))
+    by_step = _by_step(announcements, job_id, job_digest)
     for step in sorted(by_step, reverse=True):
-        chosen: list[tuple[str, CheckpointRecord]] = []
-        covered = first_layer
-        while covered < end_layer:
-            candidates = [h for h in by_step[step] if h[1].first_layer <= covered < h[1].end_layer]
-            if not candidates:
-                break
-            best = max(candidates, key=lambda h: (h[1].end_layer, h[0]))
-            chosen.append(best)
-            covered = best[1].end_layer
-        if covered >= end_layer:
+        chosen = _cover(by_step[step], first_layer, end_layer)
+        if chosen is not None:
             return step, chosen
     return None
+
+
+def complete_steps(
+    announcements: Sequence[CheckpointAnnouncement],
+    *,
+    job_id: str,
+    num_layers: int,
+    job_digest: str | None = None,
+) -> list[int]:
+    """Every step whose checkpoints cover the whole model [0, num_layers), newest first. Pure."""
+    by_step = _by_step(announcements, job_id, job_digest)
+    return [s for s in sorted(by_step, reverse=True) if _cover(by_step[s], 0, num_layers) is not None]
 
 
 def newest_complete(

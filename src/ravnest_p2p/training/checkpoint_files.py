@@ -12,9 +12,9 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import Tensor
@@ -24,6 +24,7 @@ from ravnest_p2p.training.stage_state import TensorEntry, dtype_name
 __all__ = ["CheckpointError", "atomic_json", "read_safetensors", "write_safetensors"]
 
 _MAX_HEADER_BYTES = 100 << 20
+_SKIP_CHUNK = 1 << 20
 _SAFETENSORS_DTYPES = {
     "float64": "F64",
     "float32": "F32",
@@ -86,9 +87,18 @@ def write_safetensors(
 
 
 def read_safetensors(
-    path: Path, tensors: Mapping[str, TensorEntry], *, file_bytes: int, file_sha256: str
+    path: Path,
+    tensors: Mapping[str, TensorEntry],
+    *,
+    file_bytes: int,
+    file_sha256: str,
+    keep: Collection[str] | None = None,
 ) -> dict[str, Tensor]:
-    """Read a safetensors file whose header must list exactly `tensors`, of that size and sha256."""
+    """Read a safetensors file whose header must list exactly `tensors`, of that size and sha256.
+
+    With `keep`, only those tensors are returned; the others are still read (in chunks of at most
+    `_SKIP_CHUNK` bytes) to check the file's sha256, but never held.
+    """
     size = path.stat().st_size
     if size != file_bytes:
         raise CheckpointError(f"{path.name}: {size} bytes, the manifest says {file_bytes}")
@@ -121,11 +131,14 @@ def read_safetensors(
                 or info.get("data_offsets") != [offset, offset + entry.nbytes]
             ):
                 raise CheckpointError(f"{path.name}: {name} is not laid out as the manifest says")
+            offset += entry.nbytes
+            if keep is not None and name not in keep:
+                _hash_skipped(f, sha, entry.nbytes, f"{path.name}: truncated at {name}")
+                continue
             data = bytearray(entry.nbytes)
             if f.readinto(data) != entry.nbytes:
                 raise CheckpointError(f"{path.name}: truncated at {name}")
             sha.update(data)
-            offset += entry.nbytes
             dtype = getattr(torch, entry.dtype)
             storage = torch.int16 if dtype == torch.bfloat16 else dtype
             tensor = torch.frombuffer(data, dtype=storage) if data else torch.empty(0, dtype=storage)
@@ -136,6 +149,16 @@ def read_safetensors(
     if sha.hexdigest() != file_sha256:
         raise CheckpointError(f"{path.name}: sha256 differs from the manifest's")
     return out
+
+
+def _hash_skipped(f: BinaryIO, sha: Any, nbytes: int, truncated: str) -> None:
+    left = nbytes
+    while left:
+        chunk = f.read(min(left, _SKIP_CHUNK))
+        if not chunk:
+            raise CheckpointError(truncated)
+        sha.update(chunk)
+        left -= len(chunk)
 
 
 def atomic_json(path: Path, value: Mapping[str, Any]) -> None:

@@ -165,7 +165,7 @@ async def _call(
     try:
         reply = await rpc.call(peer_id, FETCH_STATE, request, timeout_s=deadline.left(), foreground=False)
     except RemoteError as exc:
-        raise HandoverRefused(f"{peer_id} refused fetch_state: {exc}") from None
+        raise HandoverRefused(f"{peer_id} refused fetch_state: {exc}", code=exc.code) from None
     except TransportError as exc:
         raise HandoverError(f"fetch_state from {peer_id} failed: {exc}") from None
     if reply.message.job_id != request.job_id:

@@ -37,7 +37,15 @@ class HandoverError(RavnestError):
 
 
 class HandoverRefused(HandoverError):
-    """The owner refused (e.g. we are not on its allow-list, or it holds no such state)."""
+    """The owner refused (e.g. we are not on its allow-list, or it holds no such state).
+
+    Attributes:
+        code: the owner's reason (``not_allowed``, ``no_state``, ...; empty when unknown).
+    """
+
+    def __init__(self, message: str, *, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class StateChanged(HandoverError):

@@ -4,8 +4,10 @@ A new plan moves state, never resets it. For every layer of its new range, a sta
 (1) itself, if this process held those layers on the previous plan (the whole stage state, optimizer
 included, when the range is unchanged); (2) the previous plan's owner of the layer in the same cluster,
 if alive; (3) the owners of the layer in the previous plan's other clusters (replicas, averaged with it);
-(4) the newest checkpoint. Only members of the previous plan are ever asked (the allow-list), so a
-stranger cannot feed a stage weights. When no source answers, the layers start from the initial weights
+(4) the newest checkpoint step complete across the whole model (`CheckpointQuery`): this peer's own
+file if it has that piece, else fetched from a member of the plan that announced it. Only members of
+the previous (and, for checkpoints, the current) plan are ever asked (the allow-list), so a stranger
+cannot feed a stage weights. When no source answers, the layers start from the initial weights
 (logged as a warning: the job then loses what those layers learned).
 
 `state_sources` is pure (unit-tested); `gather_state` runs the calls through a `StateSource`, the seam
@@ -34,7 +36,15 @@ from ravnest_p2p.training.stage_state import (
     restore_state,
 )
 
-__all__ = ["HeldState", "Segment", "StateSource", "freshest_first", "gather_state", "state_sources"]
+__all__ = [
+    "CheckpointQuery",
+    "HeldState",
+    "Segment",
+    "StateSource",
+    "freshest_first",
+    "gather_state",
+    "state_sources",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +56,29 @@ class HeldState:
     first_layer: int
     end_layer: int
     state: StageState
+
+
+@dataclass(frozen=True)
+class CheckpointQuery:
+    """What a stage asks of the job's checkpoints when no live peer holds some of its layers.
+
+    Attributes:
+        job: the job (its digest, placement excluded, ties a checkpoint to it).
+        num_layers: layers of the whole model: a step counts only when its checkpoints cover all of them
+            (every stage resumes from the same step).
+        members: peers whose checkpoints may be used (the current and previous plans' members); any
+            other peer's announcement is ignored.
+    """
+
+    job: JobSpec
+    num_layers: int
+    members: frozenset[str]
+
+    @classmethod
+    def of(cls, job: JobSpec, role: StageRole, allowed: frozenset[str]) -> CheckpointQuery:
+        """The query of `role` on its plan; `allowed`: the previous plan's members."""
+        layers = max(cluster[-1].end_layer for cluster in role.assignment)
+        return cls(job=job, num_layers=layers, members=role.plan_peers | allowed)
 
 
 @dataclass(frozen=True)
@@ -76,8 +109,15 @@ class StateSource(Protocol):
         """
         ...
 
-    async def from_checkpoint(self, *, job_id: str, first_layer: int, end_layer: int) -> StageState | None:
-        """State of those layers from the job's newest checkpoint (None: no checkpoint covers them)."""
+    async def from_checkpoint(
+        self, query: CheckpointQuery, *, first_layer: int, end_layer: int
+    ) -> StageState | None:
+        """State of those layers from the job's newest checkpoint step complete across the whole model
+        (None: no checkpoint covers them)."""
+        ...
+
+    async def share_checkpoints(self, job_id: str, peer_ids: frozenset[str]) -> None:
+        """Let `peer_ids` fetch this peer's checkpoints of the job (before any stage of it runs here)."""
         ...
 
 
@@ -173,8 +213,11 @@ async def gather_state(
     source: StateSource | None,
     allowed: frozenset[str],
     previous_epoch: int,
+    checkpoints: CheckpointQuery | None = None,
 ) -> tuple[StageState | None, dict[str, str]]:
     """Assemble the new role's starting state; returns (state or None, {layer span: where it came from}).
+
+    Layers no live holder answers for come from `checkpoints` (None: no checkpoint is asked).
 
     A role whose range equals what this peer held gets that state whole (optimizer and counters
     included). Otherwise every segment's tensors are merged by global name (the counters are those of
@@ -214,10 +257,10 @@ async def gather_state(
                 break
         else:
             found = None
-            if source is not None:
+            if source is not None and checkpoints is not None:
                 try:
                     found = await source.from_checkpoint(
-                        job_id=role.job_id, first_layer=segment.first_layer, end_layer=segment.end_layer
+                        checkpoints, first_layer=segment.first_layer, end_layer=segment.end_layer
                     )
                 except Exception as exc:
                     logger.info("checkpoint of layers %s failed: %r", span, exc)

@@ -38,7 +38,14 @@ from ravnest_p2p.training.progress import (
     publish_progress,
     read_progress,
 )
-from ravnest_p2p.training.resume import HeldState, StateSource, freshest_first, gather_state, state_sources
+from ravnest_p2p.training.resume import (
+    CheckpointQuery,
+    HeldState,
+    StateSource,
+    freshest_first,
+    gather_state,
+    state_sources,
+)
 from ravnest_p2p.training.role import StageRole, role_for
 from ravnest_p2p.training.stage_state import StageState
 from ravnest_p2p.training.supervisor_seams import (
@@ -162,6 +169,7 @@ class JobSupervisor:
             if progress is not None and progress.finished:
                 self.finished.add(job.job_id)
             return None
+        await self._share_checkpoints(job, role)
         allowed, why = may_start(
             progress,
             epoch=role.epoch,
@@ -187,6 +195,18 @@ class JobSupervisor:
         await self._run(job, owner, role, progress)
         return role
 
+    async def _share_checkpoints(self, job: JobSpec, role: StageRole) -> None:
+        """Serve this peer's checkpoints of the job to the plan's members before anything runs here: after
+        a full restart, every peer may need pieces another peer wrote."""
+        if self.state_source is None:
+            return
+        previous = self._previous.get(job.job_id)
+        members = role.plan_peers | (previous.plan_peers if previous is not None else frozenset())
+        try:
+            await self.state_source.share_checkpoints(job.job_id, members | frozenset(job.state_readers))
+        except Exception as exc:
+            logger.info("job %s: sharing checkpoints failed: %r", job.job_id, exc)
+
     async def _read(self, coro: Awaitable[Any]) -> Any:
         try:
             async with asyncio.timeout(self.config.read_timeout_s):
@@ -210,11 +230,13 @@ class JobSupervisor:
         return role_for(job, plan, self.peer_id, progress=progress)
 
     # ----- one run -----------------------------------------------------------------------------------
-    async def _starting_state(self, role: StageRole, progress: ProgressView | None) -> StageState | None:
+    async def _starting_state(
+        self, job: JobSpec, role: StageRole, progress: ProgressView | None
+    ) -> StageState | None:
         held = self._held.get(role.job_id)
         previous = self._previous.get(role.job_id)
         if previous is None and role.data_start > 0 and progress is not None:
-            return await self._state_for_a_newcomer(role, progress)
+            return await self._state_for_a_newcomer(job, role, progress)
         if previous is None or previous.epoch == role.epoch:
             # the job's first plan here, or a retry on the same plan (nothing moved)
             return (
@@ -242,11 +264,14 @@ class JobSupervisor:
             source=self.state_source,
             allowed=allowed,
             previous_epoch=previous.epoch,
+            checkpoints=CheckpointQuery.of(job, role, allowed),
         )
         logger.info("job %s: stage state from %s", role.job_id, self.last_origin)
         return state
 
-    async def _state_for_a_newcomer(self, role: StageRole, progress: ProgressView) -> StageState | None:
+    async def _state_for_a_newcomer(
+        self, job: JobSpec, role: StageRole, progress: ProgressView
+    ) -> StageState | None:
         """State for a peer that never ran this job here although the job already trained.
 
         It joined mid-job or restarted: ask the plan's other holders of its layers (the only peers asked)
@@ -267,6 +292,7 @@ class JobSupervisor:
             source=self.state_source,
             allowed=allowed,
             previous_epoch=previous_epoch,
+            checkpoints=CheckpointQuery.of(job, role, allowed),
         )
         logger.info("job %s: newcomer's stage state from %s", role.job_id, self.last_origin)
         return state
@@ -292,7 +318,7 @@ class JobSupervisor:
                 # the new owners pull from us (the old plan's peers may still ask too)
                 self.serve_to(job.job_id, previous.epoch, previous.plan_peers | role.plan_peers)
             # learning addresses and pulling state may wait on a peer that died: not past a plan change
-            prepared = await self._unless_plan_moves(role, self._prepare_state(role, progress))
+            prepared = await self._unless_plan_moves(role, self._prepare_state(job, role, progress))
             if prepared is None:
                 logger.info("job %s: the plan moved while stage %d prepared", job.job_id, role.stage_index)
                 return
@@ -312,14 +338,14 @@ class JobSupervisor:
             self._set_state(PeerState.READY if not self._draining.is_set() else PeerState.DRAINING)
 
     async def _prepare_state(
-        self, role: StageRole, progress: ProgressView | None
+        self, job: JobSpec, role: StageRole, progress: ProgressView | None
     ) -> tuple[StageState | None]:
         if self.prepare is not None:
             await self.prepare(role)
         if progress is None and self._previous.get(role.job_id) is not None:
             # which replica is freshest comes from the progress: one more read if the first failed
             progress = await self._read(read_progress(self.dht, role.job_id, owner_peer_id=None))
-        return (await self._starting_state(role, progress),)
+        return (await self._starting_state(job, role, progress),)
 
     async def _unless_plan_moves(self, role: StageRole, coro: Awaitable[Any]) -> Any:
         """Await `coro`, or cancel it and return None once the agreed plan moves past `role`'s."""

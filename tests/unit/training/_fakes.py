@@ -145,6 +145,11 @@ class FakeStateSource:
         self.calls: list[tuple[str, int, int, frozenset[str]]] = []
         self.epochs: list[int] = []
         self.checkpoint_calls: list[tuple[int, int]] = []
+        self.checkpoint_queries: list[Any] = []
+        self.shared: list[tuple[str, frozenset[str]]] = []
+
+    async def share_checkpoints(self, job_id: str, peer_ids: frozenset[str]) -> None:
+        self.shared.append((job_id, peer_ids))
 
     async def fetch(
         self,
@@ -162,8 +167,9 @@ class FakeStateSource:
             return None
         return layer_state(self.tags[peer_id], first_layer, end_layer)
 
-    async def from_checkpoint(self, *, job_id: str, first_layer: int, end_layer: int) -> StageState | None:
+    async def from_checkpoint(self, query: Any, *, first_layer: int, end_layer: int) -> StageState | None:
         self.checkpoint_calls.append((first_layer, end_layer))
+        self.checkpoint_queries.append(query)
         if self.checkpoint_tag is None:
             return None
         return layer_state(self.checkpoint_tag, first_layer, end_layer)

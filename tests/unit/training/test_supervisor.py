@@ -14,7 +14,13 @@ from ravnest_p2p.planning import JobParams
 from ravnest_p2p.training.job import JobSpec, StagePlacement
 from ravnest_p2p.training.placement import assignment_from_plan
 from ravnest_p2p.training.progress import PROGRESS_KEY, JobProgress, publish_progress, read_progress
-from ravnest_p2p.training.resume import Segment, freshest_first, gather_state, state_sources
+from ravnest_p2p.training.resume import (
+    CheckpointQuery,
+    Segment,
+    freshest_first,
+    gather_state,
+    state_sources,
+)
 from ravnest_p2p.training.role import role_for
 from ravnest_p2p.training.runner import JOB_KEY
 from ravnest_p2p.training.supervisor import JobSupervisor, SupervisorConfig
@@ -215,11 +221,20 @@ async def test_an_unchanged_stage_resumes_its_whole_state_and_lost_layers_fall_b
     previous = assignment_from_plan(make_plan(1, [("me", 0, 1), ("b", 1, 3)]))
     segments = state_sources(previous, role, alive={"me", "c"})
     assert segments == [Segment(1, 3, ())]
+    query = CheckpointQuery.of(JOB, role, frozenset({"me", "b"}))
     state, origin = await gather_state(
-        role, segments, held=None, source=source, allowed=frozenset({"me", "b"}), previous_epoch=1
+        role,
+        segments,
+        held=None,
+        source=source,
+        allowed=frozenset({"me", "b"}),
+        previous_epoch=1,
+        checkpoints=query,
     )
     assert origin == {"1-3": "checkpoint"}
     assert source.checkpoint_calls == [(1, 3)]
+    # a step counts when complete across the whole model; the current and previous plans' peers count
+    assert (query.num_layers, query.members) == (3, {"me", "b", "c"})
     assert state is not None
     assert torch.equal(state.tensors["2.weight"], torch.full((2,), 702.0))
     # and with no checkpoint either, the layers start from the initial weights (no state at all)
@@ -463,7 +478,11 @@ async def test_every_peer_restarted_may_start_the_job_again_once_its_progress_is
         await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run")
     run = runners.made[0]
     assert run.role.data_start == 40
-    # nobody serves the layers any more: they come from the checkpoint
+    # before anything ran, this peer served its checkpoints to the plan's members
+    assert source.shared[0] == ("j", {"a", "me"})
+    # nobody serves the layers any more: they come from the newest step complete across the model
     assert source.checkpoint_calls == [(1, 3)]
+    (query,) = source.checkpoint_queries
+    assert (query.job, query.num_layers, query.members) == (ASSIGNED, 3, {"a", "me"})
     assert idle.last_origin == {"1-3": "checkpoint"}
     assert torch.equal(run.initial_state.tensors["2.weight"], torch.full((2,), 702.0))
