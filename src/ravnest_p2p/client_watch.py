@@ -167,13 +167,16 @@ class JobHistory:
         values = [c.eval_accuracy for c in self.summary.clusters if c.eval_accuracy is not None]
         return max(values) if values else None
 
-    def series(self, cluster: int, name: str) -> tuple[list[float], list[float]]:
-        """(elapsed seconds, values) of one `ClusterProgress` field, e.g. ``loss``; None values skipped."""
+    def series(self, cluster: int, name: str, *, x: str = "elapsed_s") -> tuple[list[float], list[float]]:
+        """(x, values) of one `ClusterProgress` field, e.g. ``loss``; None values skipped.
+
+        `x`: ``elapsed_s`` (seconds since the watch began) or a `ClusterProgress` field such as ``step``.
+        """
         xs, ys = [], []
         for point in self.points:
             value = getattr(point.progress, name)
             if point.progress.cluster == cluster and value is not None:
-                xs.append(point.elapsed_s)
+                xs.append(point.elapsed_s if x == "elapsed_s" else float(getattr(point.progress, x)))
                 ys.append(float(value))
         return xs, ys
 
@@ -181,15 +184,15 @@ class JobHistory:
         return sorted({p.progress.cluster for p in self.points})
 
     def plot(self) -> Figure:
-        """Loss and samples/s against time, one line per cluster (needs matplotlib)."""
+        """Loss against micro-batches and samples/s against time, one line per cluster (needs matplotlib)."""
         from matplotlib.figure import Figure  # the ``dev`` extra: only plotting needs it
 
         fig = Figure(figsize=(9, 3.2), layout="constrained")
         loss_ax, rate_ax = fig.subplots(1, 2)
         for cluster in self.clusters():
-            loss_ax.plot(*self.series(cluster, "loss"), label=f"cluster {cluster}")
-            rate_ax.plot(*self.series(cluster, "samples_per_s"), label=f"cluster {cluster}")
-        loss_ax.set(title=f"{self.job_id}: training loss", xlabel="seconds", ylabel="loss")
+            loss_ax.plot(*self.series(cluster, "loss", x="step"), marker=".", label=f"cluster {cluster}")
+            rate_ax.plot(*self.series(cluster, "samples_per_s"), marker=".", label=f"cluster {cluster}")
+        loss_ax.set(title=f"{self.job_id}: training loss", xlabel="micro-batches", ylabel="loss")
         rate_ax.set(title="throughput", xlabel="seconds", ylabel="samples/s")
         for ax in (loss_ax, rate_ax):
             ax.grid(alpha=0.3)
