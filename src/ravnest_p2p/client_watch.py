@@ -49,6 +49,7 @@ class ClusterProgress:
         step: micro-batches the first stage has completed.
         samples_per_s: the first stage's completed-sample rate (the pipeline's throughput).
         loss: the training loss the last stage reports (None before its first backward).
+        loss_step: micro-batches the stage that reported `loss` had finished (stages report apart).
     """
 
     cluster: int
@@ -56,6 +57,7 @@ class ClusterProgress:
     step: int
     samples_per_s: float
     loss: float | None
+    loss_step: int
     eval_loss: float | None
     eval_accuracy: float | None
     averaging_rounds: int
@@ -91,13 +93,15 @@ def _cluster_progress(cluster: int, stages: Sequence[StageMetrics]) -> ClusterPr
     stages = sorted(stages, key=lambda m: m.stage)
     first, last = stages[0], stages[-1]
     # held-out figures: the first stage drives evaluation (stages are sorted); any stage's will do
+    lossy = next((m for m in reversed(stages) if m.loss is not None), None)
     evaluated = next((m for m in stages if m.eval_accuracy is not None or m.eval_loss is not None), None)
     return ClusterProgress(
         cluster=cluster,
         num_stages=first.num_stages,
         step=first.step,
         samples_per_s=first.samples_per_s or last.samples_per_s,
-        loss=next((m.loss for m in reversed(stages) if m.loss is not None), None),
+        loss=lossy.loss if lossy else None,
+        loss_step=lossy.step if lossy else 0,
         eval_loss=evaluated.eval_loss if evaluated else None,
         eval_accuracy=evaluated.eval_accuracy if evaluated else None,
         averaging_rounds=max(m.averaging_rounds for m in stages),
@@ -170,7 +174,7 @@ class JobHistory:
     def series(self, cluster: int, name: str, *, x: str = "elapsed_s") -> tuple[list[float], list[float]]:
         """(x, values) of one `ClusterProgress` field, e.g. ``loss``; None values skipped.
 
-        `x`: ``elapsed_s`` (seconds since the watch began) or a `ClusterProgress` field such as ``step``.
+        `x`: ``elapsed_s`` (seconds since the watch began) or a `ClusterProgress` field such as ``loss_step``.
         """
         xs, ys = [], []
         for point in self.points:
@@ -190,7 +194,7 @@ class JobHistory:
         fig = Figure(figsize=(9, 3.2), layout="constrained")
         loss_ax, rate_ax = fig.subplots(1, 2)
         for cluster in self.clusters():
-            loss_ax.plot(*self.series(cluster, "loss", x="step"), marker=".", label=f"cluster {cluster}")
+            loss_ax.plot(*self.series(cluster, "loss", x="loss_step"), marker=".", label=f"cluster {cluster}")
             rate_ax.plot(*self.series(cluster, "samples_per_s"), marker=".", label=f"cluster {cluster}")
         loss_ax.set(title=f"{self.job_id}: training loss", xlabel="micro-batches", ylabel="loss")
         rate_ax.set(title="throughput", xlabel="seconds", ylabel="samples/s")

@@ -87,7 +87,7 @@ def test_history_series_and_plot() -> None:
     assert history.clusters() == [0, 1]
     assert history.series(0, "step") == ([1.0, 3.0], [10.0, 20.0])
     assert history.series(1, "loss") == ([1.0, 3.0], [0.5, 0.5])
-    assert history.series(1, "loss", x="step") == ([0.0, 10.0], [0.5, 0.5])
+    assert history.series(1, "loss", x="loss_step") == ([0.0, 10.0], [0.5, 0.5])
     pytest.importorskip("matplotlib")
     assert history.png().startswith(b"\x89PNG")
 
