@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Generator, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
+from ravnest_p2p.client_watch import Display, JobHistory, ProgressSnapshot, make_renderer, summarize
 from ravnest_p2p.discovery import OWNERS_KEY, OwnersRecord, PeerDirectory, PeerRecord, RunDHT, dht_time
 from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.membership import DhtPlanBoard
@@ -81,23 +83,38 @@ class RunClient:
     def __init__(self, dht: RunDHT) -> None:
         self.dht = dht
         self._directory = PeerDirectory(dht, dht.transport, dial_new_peers=True)
+        self._closed = False
 
     @classmethod
-    async def connect(
+    def connect(
         cls,
         initial_peers: Sequence[str],
         run_id: str = "default",
         *,
         identity_path: str | Path | None = None,
         run_owner: str | None = None,
-    ) -> RunClient:
-        """Join the run as a DHT client.
+    ) -> _Connecting:
+        """Join the run as a DHT client: ``client = await RunClient.connect(...)``, or
+        ``async with RunClient.connect(...) as client:``, which closes it however the block ends.
 
         Args:
             identity_path: the researcher's key file (created if missing): the same file makes the same
                 `peer_id`, i.e. the same run owner, across sessions. None: a fresh identity.
             run_owner: the run's owner, if it is not this client (only its ``owners`` record is kept).
         """
+        return _Connecting(
+            cls._connect(initial_peers, run_id, identity_path=identity_path, run_owner=run_owner)
+        )
+
+    @classmethod
+    async def _connect(
+        cls,
+        initial_peers: Sequence[str],
+        run_id: str,
+        *,
+        identity_path: str | Path | None,
+        run_owner: str | None,
+    ) -> RunClient:
         dht = await RunDHT.join_as_client(
             initial_peers, run_id=run_id, identity_path=identity_path, keys=run_keys(), run_owner=run_owner
         )
@@ -244,9 +261,12 @@ class RunClient:
         *,
         timeout_s: float = 600.0,
         poll_s: float = 2.0,
-        on_progress: Callable[[list[StageMetrics]], None] | None = None,
-    ) -> list[StageMetrics]:
+        on_progress: Callable[[ProgressSnapshot], None] | None = None,
+    ) -> ProgressSnapshot:
         """Poll until the job is done; return its newest metrics.
+
+        `on_progress` gets each poll's metrics as a `ProgressSnapshot`: a list of `StageMetrics` whose
+        printed form is a one-line summary (so ``on_progress=print`` prints one line per poll).
 
         Done: the job's progress record says done, or every first stage of the CURRENT plan reports
         done (a job without assignment follows the job across re-plans and never waits on a dead peer);
@@ -264,13 +284,43 @@ class RunClient:
             except TimeoutError:
                 logger.warning("reading the metrics of job %s took too long; polling again", job.job_id)
                 metrics, done = None, False
-            if metrics is not None and on_progress is not None:
-                on_progress(metrics)
-            if done and metrics is not None:
-                return metrics
+            snapshot = None if metrics is None else ProgressSnapshot(metrics, job.job_id)
+            if snapshot is not None and on_progress is not None:
+                on_progress(snapshot)
+            if done and snapshot is not None:
+                return snapshot
             if loop.time() > deadline:
                 raise TimeoutError(f"job {job.job_id} not done after {timeout_s:.0f}s")
             await asyncio.sleep(poll_s)
+
+    async def watch(
+        self,
+        job: JobSpec,
+        *,
+        display: Display = "auto",
+        timeout_s: float = 600.0,
+        poll_s: float = 2.0,
+    ) -> JobHistory:
+        """Wait for `job` like `wait_for_job`, rendering its progress as it goes; return its history.
+
+        `display`: ``auto`` draws a live plot (loss and samples/s per cluster) in a Jupyter notebook
+        when matplotlib is installed, and prints a compact line per change elsewhere; ``lines``,
+        ``plot`` or ``none`` choose. The returned `JobHistory` holds every poll's summary (its `plot`
+        draws them) and the job's final metrics.
+        """
+        history = JobHistory(job_id=job.job_id)
+        renderer = make_renderer(display)
+
+        def on_progress(snapshot: ProgressSnapshot) -> None:
+            summary = summarize(snapshot, job.job_id)
+            history.add(summary)
+            renderer.update(history, summary)
+
+        history.final = await self.wait_for_job(
+            job, timeout_s=timeout_s, poll_s=poll_s, on_progress=on_progress
+        )
+        renderer.close(history)
+        return history
 
     async def checkpoint(
         self, path: str | Path, job: JobSpec | None = None, *, timeout_s: float = 300.0
@@ -324,7 +374,10 @@ class RunClient:
         )
 
     async def aclose(self) -> None:
-        await self.dht.aclose()
+        """Leave the DHT (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            await self.dht.aclose()
 
     async def __aenter__(self) -> RunClient:
         return self
@@ -333,3 +386,34 @@ class RunClient:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.aclose()
+
+
+class _Connecting:
+    """What `RunClient.connect` returns: await it for the client, or use it as ``async with``."""
+
+    def __init__(self, connecting: Coroutine[Any, Any, RunClient]) -> None:
+        self._connecting: Coroutine[Any, Any, RunClient] | None = connecting
+        self._client: RunClient | None = None
+
+    def _take(self) -> Coroutine[Any, Any, RunClient]:
+        if self._connecting is None:
+            raise RuntimeError("RunClient.connect(...) can be awaited or entered once")
+        connecting, self._connecting = self._connecting, None
+        return connecting
+
+    def __await__(self) -> Generator[Any, None, RunClient]:
+        return self._take().__await__()
+
+    async def __aenter__(self) -> RunClient:
+        self._client = await self._take()
+        return self._client
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    def __del__(self) -> None:
+        if self._connecting is not None:  # never awaited: close the coroutine without a warning
+            self._connecting.close()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ravnest_p2p import __version__
+from ravnest_p2p._version import __version__
 from ravnest_p2p.discovery import Announcer, PeerDirectory, PeerRecord, RunDHT, dht_time
 from ravnest_p2p.measurement import NetworkMeter, ProbeConfig, free_memory_bytes, measure_matmul_flops
 from ravnest_p2p.membership import DhtPlanBoard, MembershipConfig, MembershipService

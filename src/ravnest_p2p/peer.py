@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -132,7 +133,7 @@ async def _serve(config: PeerConfig) -> int:
         for maddr in peer.maddrs:
             print(f"  join with: --initial-peers {maddr}", flush=True)
         while not stop.is_set():
-            print(f"status: {peer.status().line()}", flush=True)
+            print(f"{time.strftime('%H:%M:%S')} status: {peer.status().line()}", flush=True)
             try:
                 await asyncio.wait_for(stop.wait(), config.status_interval_s)
             except TimeoutError:

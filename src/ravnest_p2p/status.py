@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -18,7 +19,16 @@ from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.membership import DhtPlanBoard
 from ravnest_p2p.training.run_keys import run_keys
 
-__all__ = ["fetch_peers", "fetch_run", "format_owner", "format_plan", "format_table", "main", "run_owners"]
+__all__ = [
+    "fetch_peers",
+    "fetch_run",
+    "format_owner",
+    "format_plan",
+    "format_table",
+    "main",
+    "no_peers_hint",
+    "run_owners",
+]
 
 PROG = "python -m ravnest_p2p.status"
 
@@ -100,35 +110,48 @@ def format_table(records: Sequence[PeerRecord]) -> str:
     return "\n".join(lines)
 
 
+def no_peers_hint(run_id: str, *, run_id_given: bool) -> str:
+    """What to try when the run shows no peer: peers are found only under the run id they joined."""
+    hint = f"no peer of run '{run_id}' found. Peers list only under the run id they were started with"
+    if not run_id_given:
+        return hint + " (their --run-id): pass it here as --run-id, e.g. --run-id my-run."
+    return hint + "; check the id, and that the peers are up and reachable through --initial-peers."
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineArgumentParser(prog=PROG, description="List the live peers of a ravnest_p2p run.")
     parser.add_argument("--initial-peers", action="extend", nargs="+", required=True, metavar="MADDR")
-    parser.add_argument("--run-id", default="default")
+    parser.add_argument("--run-id", help="the run to list (default: 'default', as for peers)")
     parser.add_argument("--run-owner", metavar="PEER_ID", help="the owner's peer id the peers should enforce")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
 
+    run_id: str = args.run_id or "default"
+    initial_peers: list[str] = args.initial_peers
+
     async def run() -> int:
         try:
-            records, epoch, digests = await fetch_run(
-                args.initial_peers, args.run_id, run_owner=args.run_owner
-            )
+            records, epoch, digests = await fetch_run(initial_peers, run_id, run_owner=args.run_owner)
         except RavnestError as exc:
             fail(str(exc), prog=PROG)
         if args.json:
             peers_json = [r.model_dump(mode="json") for r in records]
             owners = run_owners(records)
             out = {
-                "run_id": args.run_id,
+                "run_id": run_id,
                 "run_owner": owners.most_common(1)[0][0] if owners else args.run_owner,
                 "owner_line": format_owner(records, args.run_owner),
                 "epoch": epoch,
                 "plan_digests": digests,
+                "time": time.time(),
                 "peers": peers_json,
             }
             print(json.dumps(out))
         else:
+            print(time.strftime("%Y-%m-%d %H:%M:%S %Z"))
             print(format_table(records))
+            if not records:
+                print(no_peers_hint(run_id, run_id_given=args.run_id is not None))
             print(format_owner(records, args.run_owner))
             print(format_plan(records, epoch, digests))
         return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -54,6 +55,20 @@ def test_hivemind_dht_bootstrap_three_peers_status_and_clean_sigterm():
             three_measured_peers, timeout_s=120, what="3 measured peers in the status tool", interval_s=1
         )
         assert {p["peer_id"] for p in measured["peers"]} == {p.peer_id for p in swarm.peers}
+        assert measured["time"] > 0
+
+        # without --run-id the tool looks at run 'default', where these peers are not: it says so
+        text = subprocess.run(
+            [sys.executable, "-m", "ravnest_p2p.status", "--initial-peers", *swarm.initial_peers],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        assert "0 peers" in text
+        assert "pass it here as --run-id" in text
+        # the peers' status lines carry the time
+        assert re.search(r"^\d\d:\d\d:\d\d status: state=", swarm.peers[0].log(), re.MULTILINE)
 
         daemons = {p.name: daemons_of(p.popen.pid) for p in swarm.peers}
         assert all(len(d) == 1 for d in daemons.values()), daemons

@@ -8,6 +8,13 @@ burst run at full speed and then stalls the process for the rest of its 100 ms p
 do run peers in containers with CPU limits. It stays under about a second and the result is cached per
 host + device + dtype + thread count + CPU quota, so a restarted peer does not pay for it again but a
 re-limited one measures afresh.
+
+The cache must not poison itself: one reading taken on a loaded host (0.047 GFLOP/s) was once cached
+and reused by every later peer on that host. So a cached figure expires (`CACHE_MAX_AGE_S`) and a fresh
+reading replaces it; a reading is cached only if it is plausible (`MIN_PLAUSIBLE_FLOPS`) and the
+process got most of the CPUs it was allowed while it ran (CPU time over wall time: a CPU quota is a real
+limit, another process eating our cores is not); otherwise the probe is repeated and the median is
+advertised, uncached. Known limit: a host that stays busy throughout yields a low, uncached figure.
 """
 
 from __future__ import annotations
@@ -16,16 +23,35 @@ import json
 import logging
 import os
 import socket
+import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["cpu_quota", "measure_matmul_flops"]
+__all__ = [
+    "CACHE_MAX_AGE_S",
+    "MIN_PLAUSIBLE_FLOPS",
+    "ComputeReading",
+    "cpu_quota",
+    "measure_matmul_flops",
+    "quota_cpus",
+    "take_reading",
+]
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+CACHE_MAX_AGE_S = 6 * 3600.0  # a cached figure is re-measured after this: hosts change, loads come and go
+# Below this no device we could train on computes (a 2010 laptop core does ~10 GFLOP/s): such a reading
+# says the process was starved, e.g. a peer that measured 0.047 GFLOP/s on a loaded host and cached it
+MIN_PLAUSIBLE_FLOPS = 0.5e9
+_MIN_CPU_SHARE = 0.6  # a probe that got under this fraction of its allowed CPUs ran on a busy host
+_MAX_READINGS = 3
 
 
 def _cache_path() -> Path:
@@ -114,32 +140,150 @@ def _bench(device: torch.device, dtype: torch.dtype, budget_s: float) -> float:
                 return count * flops_each / elapsed
 
 
+@dataclass(frozen=True)
+class ComputeReading:
+    """One probe: its FLOP/s and the CPUs the process actually got while it ran."""
+
+    flops: float
+    cpu_share: float  # process CPU seconds / wall seconds during the probe
+    allowed_cpus: float | None  # CPUs it could have used (threads, affinity, quota); None: not a CPU
+
+    @property
+    def contended(self) -> bool:
+        """Whether other work on the host took the CPUs this process was allowed (a busy host).
+
+        A CPU quota is not contention: a capped process gets its quota, and its reading is its real
+        speed. A process that got well under what it was allowed shared the CPUs with someone else.
+        """
+        if self.allowed_cpus is None:
+            return False
+        return self.cpu_share < _MIN_CPU_SHARE * self.allowed_cpus
+
+    @property
+    def plausible(self) -> bool:
+        return self.flops >= MIN_PLAUSIBLE_FLOPS
+
+    @property
+    def cacheable(self) -> bool:
+        return self.plausible and not self.contended
+
+
+def quota_cpus(quota: str) -> float | None:
+    """CPUs allowed by a `cpu_quota` text (``50000 100000`` or a v1 quota in µs of 100 ms): None if none."""
+    parts = quota.split()
+    try:
+        if len(parts) == 2:
+            return int(parts[0]) / int(parts[1])
+        if len(parts) == 1:
+            return int(parts[0]) / 100_000  # cgroup v1's default cfs period
+    except ValueError:
+        return None
+    return None
+
+
+def _allowed_cpus(device: torch.device) -> float | None:
+    if device.type != "cpu":
+        return None
+    try:
+        cpus = float(len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        cpus = float(os.cpu_count() or 1)
+    cpus = min(cpus, float(torch.get_num_threads()))
+    quota = quota_cpus(cpu_quota())
+    return min(cpus, quota) if quota is not None else cpus
+
+
+def take_reading(device: str = "cpu", dtype: str = "float32", *, budget_s: float = 0.9) -> ComputeReading:
+    """One sustained matmul probe, with the CPU share the process got meanwhile."""
+    torch_device = torch.device(device)
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
+    flops = _bench(torch_device, _DTYPES[dtype], budget_s)
+    cpu_s, wall_s = time.process_time() - cpu_start, time.perf_counter() - wall_start
+    return ComputeReading(
+        flops=flops, cpu_share=cpu_s / max(wall_s, 1e-9), allowed_cpus=_allowed_cpus(torch_device)
+    )
+
+
+def _read_cache(path: Path, key: str, *, max_age_s: float, now: float) -> float | None:
+    """The cached figure for `key`, if it is fresh and plausible (older formats count as expired)."""
+    try:
+        entry = json.loads(path.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(entry, dict):
+        return None  # a bare number: the format before readings had an age
+    flops, measured_at = entry.get("flops"), entry.get("measured_at")
+    if not isinstance(flops, int | float) or not isinstance(measured_at, int | float):
+        return None
+    if flops < MIN_PLAUSIBLE_FLOPS or not 0 <= now - measured_at <= max_age_s:
+        return None
+    return float(flops)
+
+
+def _write_cache(path: Path, key: str, flops: float, *, now: float) -> None:
+    try:
+        loaded = json.loads(path.read_text())
+        cache: dict[str, Any] = loaded if isinstance(loaded, dict) else {}
+    except (OSError, ValueError):
+        cache = {}
+    cache[key] = {"flops": flops, "measured_at": now}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        logger.debug("cannot cache compute measurement: %s", exc)
+
+
 def measure_matmul_flops(
-    device: str = "cpu", dtype: str = "float32", *, budget_s: float = 0.9, use_cache: bool = True
+    device: str = "cpu",
+    dtype: str = "float32",
+    *,
+    budget_s: float = 0.9,
+    use_cache: bool = True,
+    max_age_s: float = CACHE_MAX_AGE_S,
+    reader: Callable[[], ComputeReading] | None = None,
 ) -> float:
-    """Measured FLOP/s of a matmul in `dtype` on `device` (cached per host/device/dtype/threads)."""
+    """Measured FLOP/s of a matmul in `dtype` on `device`, cached per host/device/dtype/threads/quota.
+
+    A cached figure is used while younger than `max_age_s`; then (or without one) the probe runs and
+    its figure replaces the cached one. A reading taken while the host was busy (`contended`) or below
+    `MIN_PLAUSIBLE_FLOPS` is never cached; the probe is repeated up to `_MAX_READINGS` times and the
+    median of the readings is returned (a clean one ends the repetition at once).
+
+    Args:
+        reader: takes one reading (tests); default `take_reading` with `budget_s`.
+    """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}")
     key = _cache_key(device, dtype)
     path = _cache_path()
-    cache: dict[str, float] = {}
     if use_cache:
-        try:
-            loaded = json.loads(path.read_text())
-            if isinstance(loaded, dict):
-                cache = {k: float(v) for k, v in loaded.items() if isinstance(v, int | float)}
-        except (OSError, ValueError):
-            cache = {}
-        if cache.get(key, 0) > 0:
-            return cache[key]
-    flops = _bench(torch.device(device), _DTYPES[dtype], budget_s)
-    if use_cache and flops > 0:
-        cache[key] = flops
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache, indent=1))
-            tmp.replace(path)
-        except OSError as exc:
-            logger.debug("cannot cache compute measurement: %s", exc)
+        cached = _read_cache(path, key, max_age_s=max_age_s, now=time.time())
+        if cached is not None:
+            return cached
+    read = reader or (lambda: take_reading(device, dtype, budget_s=budget_s))
+    readings = [read()]
+    while not readings[-1].cacheable and len(readings) < _MAX_READINGS:
+        logger.info(
+            "compute reading %.2f GFLOP/s with %.2f of %s CPUs: %s; measuring again",
+            readings[-1].flops / 1e9,
+            readings[-1].cpu_share,
+            readings[-1].allowed_cpus,
+            "host busy" if readings[-1].contended else "implausibly low",
+        )
+        readings.append(read())
+    if readings[-1].cacheable:
+        flops = readings[-1].flops
+        if use_cache:
+            _write_cache(path, key, flops, now=time.time())
+    else:
+        flops = statistics.median(r.flops for r in readings)
+        logger.warning(
+            "compute measured on a busy host or implausibly low (median %.2f GFLOP/s of %d readings): "
+            "advertised, not cached",
+            flops / 1e9,
+            len(readings),
+        )
     return flops

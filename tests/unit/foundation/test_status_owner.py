@@ -1,7 +1,7 @@
 """The status tool's owner line: who owns a run, as its peers enforce it."""
 
 from ravnest_p2p.discovery import PeerRecord
-from ravnest_p2p.status import format_owner
+from ravnest_p2p.status import format_owner, no_peers_hint
 
 OWNER, OTHER = "QmW" + "w" * 20, "QmX" + "x" * 20
 
@@ -31,3 +31,9 @@ def test_disagreeing_peers_are_flagged():
     assert "WARNING other peers: 1 open" in line
     assert "1/3 peers do not enforce owner" in line
     assert "WARNING" in format_owner([rec(1, None)], OWNER)
+
+
+def test_no_peers_hints_at_the_run_id() -> None:
+    assert "--run-id" in no_peers_hint("default", run_id_given=False)
+    assert "run 'x'" in no_peers_hint("x", run_id_given=True)
+    assert "reachable" in no_peers_hint("x", run_id_given=True)
