@@ -17,7 +17,9 @@ every client starts from holds every peer record), and a client dials the peers 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,33 @@ __all__ = ["RunDHT", "dht_time"]
 logger = logging.getLogger(__name__)
 
 _FIND_AT_TIMEOUT_S = 5.0  # a direct read at one initial peer
+# Joining: hivemind pings the initial peers once, each under its 3 s RPC deadline. On a busy host (or a
+# slow link) every first ping can miss that deadline while the peers are up: the join then pings them
+# again, backing off, for this long before it gives up.
+_BOOTSTRAP_PATIENCE_S = 60.0
+
+
+async def _bootstrapped(node: DHTNode, initial_ids: Sequence[str], *, patience_s: float) -> bool:
+    """Whether `node` reached one of `initial_ids` (already, or by pinging them again within `patience_s`);
+    after a late answer its routing table is filled by a lookup of its own id, as hivemind's join does."""
+    routing = node.protocol.routing_table
+    if routing.uid_to_peer_id:
+        return True
+    peers = [PeerID.from_base58(i) for i in initial_ids]
+    deadline, pause = time.monotonic() + patience_s, 1.0
+    while time.monotonic() < deadline:
+        logger.info("no initial peer answered yet; pinging %d of them again", len(peers))
+        answers = await asyncio.gather(
+            *(node.protocol.call_ping(peer, validate=True, strict=False) for peer in peers),
+            return_exceptions=True,
+        )
+        if any(a is not None and not isinstance(a, BaseException) for a in answers) or routing.uid_to_peer_id:
+            with contextlib.suppress(Exception):
+                await node.find_nearest_nodes([node.node_id])
+            return True
+        await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(2 * pause, 8.0)
+    return False
 
 
 def _peer_id_of(maddr: str) -> str | None:
@@ -138,7 +167,7 @@ class RunDHT:
                 record_validator=CompositeValidator([validator, run_validator]),
                 client_mode=client_mode,
                 bootstrap_timeout=bootstrap_timeout_s,
-                ensure_bootstrap_success=bool(initial_peers),
+                ensure_bootstrap_success=False,  # checked below, with retries
                 cache_locally=False,  # a stale local cache would hide records that others have withdrawn
                 cache_nearest=0,
             )
@@ -146,6 +175,13 @@ class RunDHT:
             raise DiscoveryError(f"cannot join the DHT through {list(initial_peers)}: {exc}") from None
         own = transport.peer_id
         initial_ids = [i for i in dict.fromkeys(_peer_id_of(m) for m in initial_peers) if i and i != own]
+        if initial_ids and not await _bootstrapped(node, initial_ids, patience_s=_BOOTSTRAP_PATIENCE_S):
+            with contextlib.suppress(Exception):
+                await node.shutdown()
+            raise DiscoveryError(
+                f"cannot join the DHT through {list(initial_peers)}: none of them answered a ping "
+                f"within {_BOOTSTRAP_PATIENCE_S:.0f}s"
+            )
         return cls(
             node,
             validator,

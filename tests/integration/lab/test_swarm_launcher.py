@@ -137,7 +137,7 @@ def test_hetero8_cli_up_status_down_measures_the_profile(tmp_path: Path) -> None
 
         def status_shows_all_measured() -> bool:
             nonlocal rows
-            status = _cli("status", "--prefix", prefix, "--json", timeout_s=60)
+            status = _cli("status", "--prefix", prefix, "--json", timeout_s=180)
             assert status.returncode == 0, status.stderr
             rows = json.loads(status.stdout)["peers"]
             return all(r["found"] and r["upload_mbps"] and r["download_mbps"] for r in rows)
