@@ -165,6 +165,14 @@ class SyncAggregator:
         """Gradients counted so far for the current step."""
         return len(self._contributors)
 
+    def check(self, worker_id: str, step: object, grads: Mapping[str, object]) -> int:
+        """The form checks of `submit` alone (sender, step, names, shapes, dtypes, finite); returns step.
+
+        Raises:
+            GradientRejected: malformed submission.
+        """
+        return self._checker.check(worker_id, step, grads)
+
     def submit(self, worker_id: str, step: int, grads: Mapping[str, Tensor]) -> Submission:
         """Offer one worker's gradient, computed on the parameters of ``step``.
 
