@@ -80,7 +80,12 @@ class SyncBackupRunner:
         self.held_state: HeldState | None = None  # no hand-over of a sync_backup job's state (yet)
         self.workers = tuple(dict.fromkeys(s.peer_id for cluster in role.assignment for s in cluster))
         self.index = self.workers.index(rpc.peer_id)
-        self.model = nn.Sequential(*build_model(job.model, job.model_params, seed=job.seed))
+        layers = build_model(job.model, job.model_params, seed=job.seed)
+        if (role.first_layer, role.end_layer, role.num_stages) != (0, len(layers), 1):
+            raise ValueError(
+                f"sync_backup: a worker holds the whole model (layers 0-{len(layers)}), in one stage"
+            )
+        self.model = nn.Sequential(*layers)
         self.params = dict(self.model.named_parameters())
         sizes = {name: p.numel() * p.element_size() for name, p in self.params.items()}
         self.layout = SyncLayout.build(job.job_id, self.workers, sizes, job.sync_backup.num_shards)
