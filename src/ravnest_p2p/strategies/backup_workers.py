@@ -25,9 +25,8 @@ Alternatives rejected. Taking the first N gradients of *any* step (bounded stale
 staleness, the thing the method exists to remove. Waiting on a deadline instead of a count: the step
 would depend on wall-clock tuning; the count adapts to the stragglers of the moment.
 
-Known limits. Not wired yet: the transport (workers fetching θ_t and sending tagged gradients, the
-owner's broadcast and token release), the planner's layout of shards and workers, a JobSpec ``mode``.
-Momentum/Adam live in the caller (this owner applies plain SGD). Workers are trusted to compute honest
+Known limits. Over the network this logic runs inside `training.sync_shard.ShardOwner` (with the job's
+optimizer; `training.sync_runner` is the worker). This owner applies plain SGD. Workers are trusted to compute honest
 gradients; only their form is checked.
 """
 
