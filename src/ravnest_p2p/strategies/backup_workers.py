@@ -26,8 +26,8 @@ staleness, the thing the method exists to remove. Waiting on a deadline instead 
 would depend on wall-clock tuning; the count adapts to the stragglers of the moment.
 
 Known limits. Over the network this logic runs inside `training.sync_shard.ShardOwner` (with the job's
-optimizer; `training.sync_runner` is the worker). This owner applies plain SGD. Workers are trusted to compute honest
-gradients; only their form is checked.
+optimizer; `training.sync_runner` is the worker). This owner applies plain SGD. Workers are trusted to
+compute honest gradients; only their form is checked.
 """
 
 from __future__ import annotations
