@@ -21,13 +21,14 @@ from ravnest_p2p.membership import DhtPlanBoard, MembershipConfig, MembershipSer
 from ravnest_p2p.planning import JobParams
 from ravnest_p2p.training.handover import HandoverServer
 from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.mode_runner import start_mode_runner
 from ravnest_p2p.training.placement import job_params, layer_profiles
 from ravnest_p2p.training.role import StageRole
 from ravnest_p2p.training.run_keys import run_keys
 from ravnest_p2p.training.runner import StageRunner
 from ravnest_p2p.training.stage_state import StageState
 from ravnest_p2p.training.state_source import HandoverStateSource
-from ravnest_p2p.training.supervisor import JobSupervisor, SupervisorConfig, rerun_allowed
+from ravnest_p2p.training.supervisor import JobSupervisor, StageRun, SupervisorConfig, rerun_allowed
 from ravnest_p2p.transport import HostConfig, P2PTransport, RpcEndpoint, load_or_create_identity
 from ravnest_p2p.types import LayerProfile, PeerState
 from ravnest_p2p.utils import TaskOwner, run_in_compute_thread
@@ -218,10 +219,11 @@ class Peer:
         runner = self.supervisor.runner
         return runner if isinstance(runner, StageRunner) else None
 
-    def _start_runner(self, job: JobSpec, role: StageRole, state: StageState | None) -> StageRunner:
+    def _start_runner(self, job: JobSpec, role: StageRole, state: StageState | None) -> StageRun:
         report = self.membership.report_misbehaviour if self.membership is not None else None
-        runner = StageRunner(self.rpc, self.dht, job, role, initial_state=state, on_exclude=report)
-        runner.checkpoint_dir = self.config.checkpoint_dir
+        runner = start_mode_runner(self.rpc, self.dht, job, role, state, on_exclude=report)
+        if isinstance(runner, StageRunner):
+            runner.checkpoint_dir = self.config.checkpoint_dir
         return runner
 
     def _serve_state_to(self, job_id: str, epoch: int, peer_ids: frozenset[str]) -> None:

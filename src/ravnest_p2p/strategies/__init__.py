@@ -15,9 +15,9 @@ micro-batch and whole replicas every round. Two other seeds of the project trade
 Rejected here: a generic "strategy" plugin interface before either mode runs over the network (two
 implementations are too few to know its shape).
 
-What exists is network-free and tested in process. Not wired yet (a later session): the transport's
-all-to-all deal/write-back for IST and the tagged-gradient/parameter exchange for backup workers, the
-planner's layout per mode, and a JobSpec ``mode``. See docs/training-modes.md.
+What is here is network-free. Backup workers run over real peers through `training.sync_runner`
+(`mode: sync_backup` in the JobSpec), with the pure layout in `sync_layout`; IST's all-to-all
+deal/write-back over the transport is not wired yet. See docs/training-modes.md.
 """
 
 from ravnest_p2p.strategies.backup_workers import (

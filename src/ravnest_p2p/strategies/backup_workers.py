@@ -25,10 +25,9 @@ Alternatives rejected. Taking the first N gradients of *any* step (bounded stale
 staleness, the thing the method exists to remove. Waiting on a deadline instead of a count: the step
 would depend on wall-clock tuning; the count adapts to the stragglers of the moment.
 
-Known limits. Not wired yet: the transport (workers fetching θ_t and sending tagged gradients, the
-owner's broadcast and token release), the planner's layout of shards and workers, a JobSpec ``mode``.
-Momentum/Adam live in the caller (this owner applies plain SGD). Workers are trusted to compute honest
-gradients; only their form is checked.
+Known limits. Over the network this logic runs inside `training.sync_shard.ShardOwner` (with the job's
+optimizer; `training.sync_runner` is the worker). This owner applies plain SGD. Workers are trusted to
+compute honest gradients; only their form is checked.
 """
 
 from __future__ import annotations
@@ -164,6 +163,14 @@ class SyncAggregator:
     def num_pending(self) -> int:
         """Gradients counted so far for the current step."""
         return len(self._contributors)
+
+    def check(self, worker_id: str, step: object, grads: Mapping[str, object]) -> int:
+        """The form checks of `submit` alone (sender, step, names, shapes, dtypes, finite); returns step.
+
+        Raises:
+            GradientRejected: malformed submission.
+        """
+        return self._checker.check(worker_id, step, grads)
 
     def submit(self, worker_id: str, step: int, grads: Mapping[str, Tensor]) -> Submission:
         """Offer one worker's gradient, computed on the parameters of ``step``.

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ravnest_p2p.runtime.optim import OptimizerConfig
+from ravnest_p2p.training.modes import IstConfig, SyncBackupConfig, TrainingMode
 from ravnest_p2p.transport.codec import Compression
 
 __all__ = ["DatasetName", "InitCheckpoint", "JobSpec", "StagePlacement"]
@@ -88,6 +89,9 @@ class JobSpec(_Config):
         state_readers: peers besides the job's own that may fetch its stage state (e.g. the
             researcher's client, for `RunClient.checkpoint`).
         init_checkpoint: start from this checkpoint instead of the initial weights (docs/checkpoints.md).
+        mode: ``pipeline`` (default), ``sync_backup`` or ``ist``; each mode reads its own section
+            (`training.modes`, docs/training-modes.md). With ``sync_backup`` an explicit assignment is one
+            single-stage cluster per worker (N + b of them).
     """
 
     schema_version: int = 1
@@ -120,6 +124,10 @@ class JobSpec(_Config):
     checkpoint_keep_last: int = Field(default=3, ge=1, le=1000)
     state_readers: tuple[str, ...] = Field(default=(), max_length=64)
     init_checkpoint: InitCheckpoint | None = None
+    # ----- training modes (training/modes.py) -----
+    mode: TrainingMode = TrainingMode.PIPELINE
+    sync_backup: SyncBackupConfig = SyncBackupConfig()
+    ist: IstConfig = IstConfig()
 
     @model_validator(mode="after")
     def _contiguous(self) -> JobSpec:
@@ -133,7 +141,22 @@ class JobSpec(_Config):
                     raise ValueError(f"cluster {index}: stages must be contiguous")
             if len({s.peer_id for s in cluster}) != len(cluster):
                 raise ValueError(f"cluster {index}: a peer appears twice")
+        self._check_mode()
         return self
+
+    def _check_mode(self) -> None:
+        if self.mode != TrainingMode.SYNC_BACKUP or self.assignment is None:
+            return
+        workers = [stage.peer_id for cluster in self.assignment for stage in cluster]
+        if any(len(cluster) != 1 for cluster in self.assignment):
+            raise ValueError("sync_backup: every worker is a one-stage cluster holding the whole model")
+        if len(set(workers)) != len(workers):
+            raise ValueError("sync_backup: a worker appears twice")
+        if len(workers) != self.sync_backup.num_workers:
+            raise ValueError(
+                f"sync_backup: {len(workers)} workers assigned, num_required + num_backup is "
+                f"{self.sync_backup.num_workers}"
+            )
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

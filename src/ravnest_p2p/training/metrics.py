@@ -33,6 +33,7 @@ class StageMetrics(WireModel):
     """One stage's progress. Read from the wire: unknown fields ignored, numbers range-checked."""
 
     schema_version: int = 1
+    mode: str = Field(default="pipeline", max_length=32, description="the job's training mode")
     epoch: int = Field(default=0, ge=0, description="the plan epoch this stage trains on")
     job_id: str = Field(max_length=64)
     peer_id: str = Field(max_length=128)

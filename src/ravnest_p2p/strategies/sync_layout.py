@@ -1,0 +1,129 @@
+"""Layout of synchronous SGD with backup workers over peers: shards, their owners, each worker's batches.
+
+Problem. N + b workers each hold the whole model; its parameters are cut into shards and every shard has
+one owner that aggregates that shard's gradients each step. Every worker must compute the same layout
+without a message, and when an owner dies the layout must change as little as possible: the survivors
+keep the shards they own (their aggregation state stays valid) and only the dead owner's shards move.
+
+Choices.
+- Shards: whole parameter tensors, packed largest first into the currently smallest shard (ties by
+  shard index), so shards carry similar byte counts; names keep model order inside a shard. Splitting a
+  tensor across shards would balance better for one huge matrix, but costs a slicing protocol; the
+  models we run have many tensors.
+- Owners: rendezvous (highest-random-weight) hashing of (job, shard) over the live workers. Removing a
+  worker moves only the shards it owned, each to the worker with the next-highest weight, which every
+  peer computes alike from the same dead set. A round-robin by worker index would move almost every
+  shard when one worker leaves.
+- Batches: worker w at step t trains batch slot t·(N+b) + w of one seeded shuffle per data epoch, so
+  with b = 0 the step's large batch is exactly the union of the N workers' batches (what the
+  single-process reference in the tests trains on), and a worker that skips steps (a straggler that
+  catches up) knows its batch for any step without replaying the data stream.
+
+Source: Chen et al., arXiv 1604.00981 (parameter servers; we put the servers on the workers). Known
+limit: the layout does not weigh owners by their link rates; an owner on a slow link slows every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Collection, Mapping, Sequence
+
+__all__ = ["SyncLayout", "batch_slot", "owner_of", "shard_parameters"]
+
+
+def shard_parameters(sizes: Mapping[str, int], num_shards: int) -> tuple[tuple[str, ...], ...]:
+    """Pack named tensors (name -> bytes, in model order) into at most `num_shards` non-empty shards.
+
+    Raises:
+        ValueError: no tensors, or `num_shards` < 1.
+    """
+    if not sizes:
+        raise ValueError("the model has no parameters")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    order = {name: i for i, name in enumerate(sizes)}
+    count = min(num_shards, len(sizes))
+    loads = [0] * count
+    members: list[list[str]] = [[] for _ in range(count)]
+    # largest first; equal sizes in model order (a stable, platform-independent tie-break)
+    for name in sorted(sizes, key=lambda n: (-sizes[n], order[n])):
+        target = min(range(count), key=lambda i: (loads[i], i))
+        loads[target] += sizes[name]
+        members[target].append(name)
+    return tuple(tuple(sorted(names, key=order.__getitem__)) for names in members)
+
+
+def _weight(key: str, peer_id: str) -> bytes:
+    return hashlib.sha256(f"{key}\x00{peer_id}".encode()).digest()
+
+
+def owner_of(key: str, candidates: Collection[str]) -> str:
+    """The rendezvous-hashing owner of `key` among `candidates`.
+
+    Raises:
+        ValueError: no candidates.
+    """
+    if not candidates:
+        raise ValueError(f"no live candidate to own {key!r}")
+    return max(candidates, key=lambda peer_id: (_weight(key, peer_id), peer_id))
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncLayout:
+    """Who owns which parameters, given the job's workers (see module docstring).
+
+    Attributes:
+        job_id: salts the owner hash (two jobs on one swarm spread their owners differently).
+        workers: the N + b workers; a worker's index is its data slot.
+        shards: parameter names of each shard.
+    """
+
+    job_id: str
+    workers: tuple[str, ...]
+    shards: tuple[tuple[str, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not self.workers or len(set(self.workers)) != len(self.workers):
+            raise ValueError("workers must be non-empty and distinct")
+        names = [name for shard in self.shards for name in shard]
+        if not self.shards or any(not shard for shard in self.shards) or len(set(names)) != len(names):
+            raise ValueError("shards must be non-empty and disjoint")
+
+    @classmethod
+    def build(
+        cls, job_id: str, workers: Sequence[str], sizes: Mapping[str, int], num_shards: int | None = None
+    ) -> SyncLayout:
+        """The layout of a job: `num_shards` (None: one per worker) shards of the named tensors."""
+        return cls(job_id, tuple(workers), shard_parameters(sizes, num_shards or len(workers)))
+
+    def live(self, dead: Collection[str]) -> list[str]:
+        return [w for w in self.workers if w not in dead]
+
+    def owners(self, dead: Collection[str] = ()) -> tuple[str, ...]:
+        """The owner of every shard once the `dead` workers are gone.
+
+        Raises:
+            ValueError: every worker is dead.
+        """
+        live = self.live(dead)
+        return tuple(owner_of(f"{self.job_id}/{index}", live) for index in range(len(self.shards)))
+
+    def shards_of(self, peer_id: str, dead: Collection[str] = ()) -> list[int]:
+        """Indices of the shards `peer_id` owns with the `dead` workers gone."""
+        return [index for index, owner in enumerate(self.owners(dead)) if owner == peer_id]
+
+    def index_of(self, peer_id: str) -> int:
+        return self.workers.index(peer_id)
+
+
+def batch_slot(step: int, worker_index: int, num_workers: int, batches_per_epoch: int) -> tuple[int, int]:
+    """(data epoch, batch index in it) that worker `worker_index` trains at `step`.
+
+    Raises:
+        ValueError: out-of-range arguments.
+    """
+    if step < 0 or not 0 <= worker_index < num_workers or batches_per_epoch < 1:
+        raise ValueError("need step >= 0, 0 <= worker_index < num_workers and batches_per_epoch >= 1")
+    slot = step * num_workers + worker_index
+    return divmod(slot, batches_per_epoch)

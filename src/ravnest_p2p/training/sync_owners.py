@@ -1,0 +1,235 @@
+"""The owner side of synchronous SGD with backup workers on a peer: the `sync_push` / `sync_ping` handlers.
+
+Every worker of a sync_backup job also owns the shards the layout gives it (`strategies.sync_layout`).
+`OwnerService` serves them: it refuses a push unless the sender is a live worker of the job, the shard is
+ours under the dead set we know, and the tensors are exactly the shard's (names, shapes, dtypes,
+finite); it counts the gradient (`ShardOwner`) and holds the reply until the step completes (at most the
+request's `wait_s`), then answers with the shard's parameters.
+
+Failover. A worker that cannot reach an owner pings it; when it stays silent for the job's
+`owner_ping_timeout_s` the worker declares it dead and sends its gradient to the next owner the layout
+gives. That peer verifies the claim (its own pings) before it accepts, then takes the shard over from its
+own worker's copy, at the newer of its copy's step and the request's step. A step's update of that shard
+can be lost if the dead owner had applied it and answered only some workers (known limit, documented in
+docs/training-modes.md); with plain SGD the optimizer loses nothing else, with momentum/Adam the new
+owner starts with fresh optimizer state. A peer that learns it was declared dead (a request lists it)
+stops: its shards have moved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ravnest_p2p.errors import InvalidMessage, RemoteError, TransportError
+from ravnest_p2p.strategies import GradientRejected, Verdict
+from ravnest_p2p.strategies.sync_layout import SyncLayout
+from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.sync_shard import ShardOwner
+from ravnest_p2p.training.sync_wire import (
+    SYNC_PING,
+    SYNC_PUSH,
+    ReplyKind,
+    SyncPing,
+    SyncPong,
+    SyncPush,
+    SyncReply,
+    check_tensors,
+)
+from ravnest_p2p.transport.rpc import CallContext, RpcEndpoint
+
+__all__ = ["OwnerService"]
+
+logger = logging.getLogger(__name__)
+
+_PING_EACH_S = 3.0
+
+
+class OwnerService:
+    """Serves this peer's shards of one sync_backup job (see module docstring).
+
+    Args:
+        rpc: the peer's endpoint.
+        job: the job.
+        layout: the job's layout.
+        final_step: the job's last step.
+        local_copy: (step, parameters) of a shard as this peer's worker holds it (for a takeover).
+    """
+
+    def __init__(
+        self,
+        rpc: RpcEndpoint,
+        job: JobSpec,
+        layout: SyncLayout,
+        *,
+        final_step: int,
+        local_copy: Callable[[int], tuple[int, dict[str, torch.Tensor]]],
+    ) -> None:
+        self.rpc = rpc
+        self.job = job
+        self.layout = layout
+        self.final_step = final_step
+        self.local_copy = local_copy
+        self.config = job.sync_backup
+        self.num_required = min(self.config.num_required, len(layout.workers))
+        self.dead: set[str] = set()
+        self.owned: dict[int, ShardOwner] = {}
+        self.evicted: str | None = None  # why this peer must stop (it was declared dead)
+        self.evicted_event = asyncio.Event()
+        self.final_sent: dict[int, set[str]] = {}  # shard -> workers that got its final parameters
+        self.takeovers = 0
+        self._started = False
+        self.all_final = asyncio.Event()  # every live worker got every final shard we own
+
+    @property
+    def peer_id(self) -> str:
+        return self.rpc.peer_id
+
+    async def serve(self) -> None:
+        """Create the shards the initial layout gives us (at step 0), then serve them."""
+        for shard in self.layout.shards_of(self.peer_id):
+            self._owner_of(shard, 0)
+        self._started = True
+        await self.rpc.serve(SYNC_PUSH, self.handle_push)
+        await self.rpc.serve(SYNC_PING, self.handle_ping)
+
+    async def aclose(self) -> None:
+        for method in (SYNC_PUSH, SYNC_PING):
+            await self.rpc.unserve(method)
+
+    # ----- liveness ---------------------------------------------------------------------------------
+    async def ping(self, peer_id: str, timeout_s: float = _PING_EACH_S) -> SyncPong | None:
+        """The peer's answer, or None if it gave none (unreachable, not serving the job yet, or refusing)."""
+        try:
+            reply = await self.rpc.call(
+                peer_id, SYNC_PING, SyncPing(job_id=self.job.job_id), timeout_s=timeout_s
+            )
+        except (TransportError, RemoteError) as exc:
+            logger.debug("sync ping of %s failed: %r", peer_id, exc)
+            return None
+        return reply.message
+
+    async def confirm_dead(self, peer_id: str) -> bool:
+        """Whether `peer_id` gives no answer for `owner_ping_timeout_s` (then it joins the dead set)."""
+        if peer_id in self.dead:
+            return True
+        if peer_id == self.peer_id:
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.owner_ping_timeout_s
+        while loop.time() < deadline:
+            pong = await self.ping(peer_id, timeout_s=min(_PING_EACH_S, max(0.1, deadline - loop.time())))
+            if pong is not None and pong.in_job:
+                return False
+            if pong is None:
+                await asyncio.sleep(0.2)  # between pings, bounded by the deadline
+        if peer_id not in self.dead:
+            logger.warning("job %s: worker %s gives no answer: declared dead", self.job.job_id, peer_id)
+            self.dead.add(peer_id)
+        return True
+
+    async def learn_dead(self, claimed: Sequence[str]) -> None:
+        """Check the workers another peer says are dead; only those we cannot reach join our dead set."""
+        unknown = [p for p in claimed if p in self.layout.workers and p not in self.dead]
+        if self.peer_id in unknown:
+            self.evict(f"declared dead by another worker (its dead set: {list(claimed)[:4]})")
+            raise InvalidMessage("this peer was declared dead in the job")
+        if unknown:
+            await asyncio.gather(*(self.confirm_dead(p) for p in unknown))
+
+    def evict(self, reason: str) -> None:
+        if self.evicted is None:
+            logger.warning("job %s: this peer leaves the job: %s", self.job.job_id, reason)
+            self.evicted = reason
+            self.evicted_event.set()
+
+    def owners(self) -> tuple[str, ...]:
+        return self.layout.owners(self.dead)
+
+    # ----- handlers ---------------------------------------------------------------------------------
+    async def handle_ping(
+        self, request: SyncPing, tensors: list[torch.Tensor], context: CallContext
+    ) -> SyncPong:
+        in_job = request.job_id == self.job.job_id and self.evicted is None
+        return SyncPong(in_job=in_job, peer_id=self.peer_id, dead=tuple(sorted(self.dead))[:1024])
+
+    def _owner_of(self, shard: int, step: int) -> ShardOwner:
+        owner = self.owned.get(shard)
+        if owner is not None:
+            return owner
+        copy_step, params = self.local_copy(shard)
+        start = max(copy_step, step)
+        if self._started:
+            self.takeovers += 1
+            logger.info("job %s: taking shard %d over at step %d", self.job.job_id, shard, start)
+        owner = self.owned[shard] = ShardOwner(
+            params,
+            self.layout.workers,
+            self.num_required,
+            self.job.optimizer,
+            start_step=min(start, self.final_step),
+            final_step=self.final_step,
+            aggregation=self.config.aggregation,
+        )
+        return owner
+
+    async def handle_push(
+        self, request: SyncPush, tensors: list[torch.Tensor], context: CallContext
+    ) -> tuple[SyncReply, list[torch.Tensor]]:
+        sender = context.remote_peer_id
+        if request.job_id != self.job.job_id:
+            raise InvalidMessage(f"not job {request.job_id!r}")
+        if sender not in self.layout.workers:
+            raise InvalidMessage("the sender is not a worker of the job")
+        if self.evicted is not None:
+            raise InvalidMessage(f"this peer left the job: {self.evicted}")
+        if sender in self.dead:
+            raise InvalidMessage("the sender was declared dead")
+        if request.shard >= len(self.layout.shards):
+            raise InvalidMessage(f"no shard {request.shard}")
+        await self.learn_dead(request.dead)
+        if self.owners()[request.shard] != self.peer_id:
+            raise InvalidMessage(f"not the owner of shard {request.shard} (dead set {sorted(self.dead)[:4]})")
+        owner = self._owner_of(request.shard, request.step)
+        target = request.step
+        if request.has_grads:
+            grads = check_tensors(
+                request.names, tensors, owner.specs, what=f"gradient of shard {request.shard}"
+            )
+            try:
+                result = owner.submit(sender, request.step, grads)
+            except GradientRejected as exc:
+                raise InvalidMessage(str(exc)) from None
+            if result.verdict == Verdict.FUTURE:
+                raise InvalidMessage(
+                    f"step {request.step} is ahead of shard {request.shard} (at {owner.step})"
+                )
+            if result.verdict == Verdict.LATE:
+                return self._reply(owner, ReplyKind.LATE, sender, request.shard)
+            target = request.step + 1
+        elif tensors:
+            raise InvalidMessage("a fetch carries no tensors")
+        if not await owner.wait_for(target, request.wait_s):
+            return SyncReply(kind=ReplyKind.PENDING, step=owner.step, pending=owner.num_pending), []
+        return self._reply(owner, ReplyKind.APPLIED, sender, request.shard)
+
+    def _reply(
+        self, owner: ShardOwner, kind: ReplyKind, sender: str, shard: int
+    ) -> tuple[SyncReply, list[torch.Tensor]]:
+        step, params = owner.snapshot()
+        if owner.final:
+            self.final_sent.setdefault(shard, set()).add(sender)
+            if self.all_final_sent():
+                self.all_final.set()
+        message = SyncReply(kind=kind, step=step, names=tuple(params), final=owner.final)
+        return message, list(params.values())
+
+    def all_final_sent(self) -> bool:
+        """Whether every live worker got the final parameters of every shard we own."""
+        live = set(self.layout.live(self.dead))
+        return all(
+            owner.final and live <= self.final_sent.get(shard, set()) for shard, owner in self.owned.items()
+        )

@@ -1,0 +1,62 @@
+"""The sync_backup layout: balanced disjoint shards, stable owners under failures, batch slots."""
+
+from __future__ import annotations
+
+import pytest
+
+from ravnest_p2p.strategies.sync_layout import SyncLayout, batch_slot, owner_of, shard_parameters
+
+
+def test_shards_cover_every_tensor_once_and_balance_bytes() -> None:
+    sizes = {"a": 100, "b": 10, "c": 60, "d": 50, "e": 5}
+    shards = shard_parameters(sizes, 2)
+    assert sorted(n for s in shards for n in s) == sorted(sizes)
+    loads = sorted(sum(sizes[n] for n in s) for s in shards)
+    assert loads == [110, 115]  # largest first into the lighter shard
+    # model order inside a shard, and never more shards than tensors
+    assert all(list(s) == sorted(s, key=list(sizes).index) for s in shards)
+    assert len(shard_parameters(sizes, 9)) == len(sizes)
+
+
+def test_shards_refuse_nonsense() -> None:
+    with pytest.raises(ValueError, match="no parameters"):
+        shard_parameters({}, 1)
+    with pytest.raises(ValueError, match="num_shards"):
+        shard_parameters({"a": 1}, 0)
+
+
+def test_owners_are_deterministic_and_only_a_dead_owners_shards_move() -> None:
+    workers = [f"peer-{i}" for i in range(5)]
+    sizes = {f"t{i}": 10 + i for i in range(12)}
+    layout = SyncLayout.build("job", workers, sizes, num_shards=8)
+    again = SyncLayout.build("job", list(workers), dict(sizes), num_shards=8)
+    assert layout.owners() == again.owners()
+    before = layout.owners()
+    victim = before[0]
+    after = layout.owners({victim})
+    for shard, (old, new) in enumerate(zip(before, after, strict=True)):
+        assert new != victim
+        if old != victim:
+            assert new == old, f"shard {shard} moved although its owner lives"
+    assert sorted(s for w in workers for s in layout.shards_of(w)) == list(range(8))
+    with pytest.raises(ValueError, match="no live candidate"):
+        layout.owners(set(workers))
+
+
+def test_owner_hash_depends_on_the_key() -> None:
+    peers = [f"p{i}" for i in range(16)]
+    assert len({owner_of(f"job/{k}", peers) for k in range(64)}) > 8
+
+
+def test_layout_refuses_duplicates() -> None:
+    with pytest.raises(ValueError, match="distinct"):
+        SyncLayout("job", ("a", "a"), (("x",),))
+    with pytest.raises(ValueError, match="disjoint"):
+        SyncLayout("job", ("a", "b"), (("x",), ("x",)))
+
+
+def test_batch_slots_tile_the_data_epochs() -> None:
+    slots = [batch_slot(step, w, 3, 7) for step in range(7) for w in range(3)]
+    assert slots == [divmod(i, 7) for i in range(21)]
+    with pytest.raises(ValueError):
+        batch_slot(0, 3, 3, 7)
