@@ -37,7 +37,8 @@ def record(**overrides: object) -> dict[str, object]:
 
 def test_links_parse_and_default_to_none() -> None:
     parsed = parse_peer_record(record(), signer_peer_id=PEER)
-    assert parsed.links[0].peer_id == OTHER and parsed.links[0].down_mbps == 80.0
+    assert parsed.links[0].peer_id == OTHER
+    assert parsed.links[0].down_mbps == 80.0
     assert parse_peer_record(record(links=[]), signer_peer_id=PEER).links == ()
     without = record()
     del without["links"]
