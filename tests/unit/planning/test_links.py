@@ -90,13 +90,17 @@ def test_a_peer_cannot_make_a_pair_faster_than_the_figures_allow() -> None:
     assert links.rate("b", "a") == 100 * MB  # min(up(b), down(a))
 
 
-def _sparse_reports(peers: list[PeerCapacity], rng: np.random.Generator, k: int) -> dict[str, list[LinkReport]]:
+def _sparse_reports(
+    peers: list[PeerCapacity], rng: np.random.Generator, k: int
+) -> dict[str, list[LinkReport]]:
     ids = [p.peer_id for p in peers]
     reports: dict[str, list[LinkReport]] = {}
     for pid in ids:
         others = [o for o in rng.choice(ids, size=k + 1, replace=False).tolist() if o != pid][:k]
         reports[pid] = [
-            LinkReport(o, float(rng.uniform(1e5, 1e8)), float(rng.uniform(1e5, 1e8)), float(rng.uniform(0, 0.2)))
+            LinkReport(
+                o, float(rng.uniform(1e5, 1e8)), float(rng.uniform(1e5, 1e8)), float(rng.uniform(0, 0.2))
+            )
             for o in others
         ]
     return reports
@@ -129,7 +133,9 @@ def test_no_matrix_is_the_old_plan_and_an_empty_matrix_keeps_the_clusters() -> N
     old = make_plan(peers, layers, job, epoch=1)
     assert make_plan(peers, layers, job, epoch=1, links=None).digest() == old.digest()
     empty = make_plan(peers, layers, job, epoch=1, links=LinkMatrix.build(peers, {}))
-    assert sorted(sorted(c.peer_ids) for c in empty.clusters) == sorted(sorted(c.peer_ids) for c in old.clusters)
+    assert sorted(sorted(c.peer_ids) for c in empty.clusters) == sorted(
+        sorted(c.peer_ids) for c in old.clusters
+    )
 
 
 def _uniform_layers(count: int, activation_bytes: int) -> list[LayerProfile]:
