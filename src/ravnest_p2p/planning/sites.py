@@ -9,17 +9,20 @@ hold the model.
 
 Method (single linkage, Kruskal order, O(E log E) for E measured pairs, ``E <= 2 K n``):
 
-1. Cost of a pair: the time to send a reference message (a micro-batch of the model's median
-   activation) both ways' worse direction, ``max over directions of latency + bytes / rate``.
-2. Each peer's *best* cost is its cheapest measured pair. A measured pair is *close* when its cost is
-   at most `CLOSE_FACTOR` times the larger best cost of its two peers; close pairs are united
-   (union-find). A city's internal links are close; a link to another city, several times slower, is
-   not.
+1. A pair's *quality* is its worse direction's measured rate over its estimate
+   ``min(upload(a), download(b))`` (at most 1: `LinkMatrix` caps measurements at the estimate). The
+   ratio takes the peers' own access links out: a laptop's slow link to its neighbour is a good pair
+   for a laptop, a datacenter card's 10x slower path to another continent is not. Raw rates were
+   tried first and chained every city into one site on the benchmark swarm (a far pair between two
+   fast peers beat a near pair with a slow one).
+2. A measured pair is *close* when its quality is at least `CLOSE_RATIO` and its latency is at most
+   `CLOSE_FACTOR` times the smaller of its two peers' best (lowest) measured latencies, plus
+   `LATENCY_SLACK_S`. Close pairs are united (union-find).
 3. Peers with no measured pair at all (newcomers) form one pool: nothing tells them apart.
 4. A site that cannot hold the model (memory, or fewer than ``min_stages`` peers) is merged along the
-   cheapest measured pair leading out of it (continuing the Kruskal order over the pairs that were not
-   close); what is still infeasible after that joins the other infeasible groups, and then the largest
-   feasible site, or everything becomes one group when no site is feasible.
+   best measured pair leading out of it (pairs in order of quality, then latency); what is still
+   infeasible after that joins the other infeasible groups, and then the largest feasible site, or
+   everything becomes one group when no site is feasible.
 
 Each group is then clustered by `cluster_peers` with the same epoch; with no measured pair (or all of
 them close) there is one group and the clustering is exactly the one without a matrix.
@@ -39,10 +42,14 @@ from ravnest_p2p.planning.partition import model_memory_bytes
 from ravnest_p2p.planning.types import JobParams, PeerCapacity
 from ravnest_p2p.types import LayerProfile
 
-__all__ = ["CLOSE_FACTOR", "cluster_by_site", "split_sites"]
+__all__ = ["CLOSE_FACTOR", "CLOSE_RATIO", "LATENCY_SLACK_S", "cluster_by_site", "split_sites"]
 
+CLOSE_RATIO = 0.5
+"""A close pair carries at least this share of its estimated rate (two half-octave buckets)."""
 CLOSE_FACTOR = 2.0
-"""A pair is close when it costs at most this times its peers' best pair (two half-octave buckets)."""
+"""A close pair's latency is at most this times its peers' best latency (plus `LATENCY_SLACK_S`)."""
+LATENCY_SLACK_S = 0.002
+"""Absolute slack on latency: sub-millisecond paths differ by scheduling noise, not distance."""
 
 
 class _Sets:
@@ -63,17 +70,10 @@ class _Sets:
         return ra
 
 
-def reference_bytes(layers: Sequence[LayerProfile], job: JobParams) -> float:
-    """A micro-batch of the model's median activation: the message a typical stage boundary carries."""
-    sizes = sorted(float(layer.activation_bytes_per_sample) for layer in layers)
-    return job.micro_batch_size * sizes[len(sizes) // 2] if sizes else 0.0
-
-
 def split_sites(
     peers: Sequence[PeerCapacity],
     links: LinkMatrix,
     *,
-    message_bytes: float,
     need_bytes: float,
     min_size: int,
 ) -> list[list[PeerCapacity]]:
@@ -81,24 +81,28 @@ def split_sites(
     ordered = sorted(peers, key=lambda p: p.peer_id)
     index = {p.peer_id: i for i, p in enumerate(ordered)}
     n = len(ordered)
-    costs: dict[tuple[int, int], float] = {}
+    quality: dict[tuple[int, int], tuple[float, float]] = {}  # (a, b) -> (worse rate share, latency)
     for sender, receiver, _, _ in links.measured_pairs():
         if sender in index and receiver in index:
             a, b = sorted((index[sender], index[receiver]))
-            if (a, b) not in costs:
+            if (a, b) not in quality:
                 pa, pb = ordered[a].peer_id, ordered[b].peer_id
-                costs[(a, b)] = max(
-                    links.send_time_s(pa, pb, message_bytes), links.send_time_s(pb, pa, message_bytes)
+                share = min(
+                    links.rate(pa, pb) / links.estimated_rate(pa, pb),
+                    links.rate(pb, pa) / links.estimated_rate(pb, pa),
                 )
-    best = [float("inf")] * n
-    for (a, b), cost in costs.items():
-        best[a], best[b] = min(best[a], cost), min(best[b], cost)
-    pairs = sorted(costs.items(), key=lambda item: (item[1], item[0]))
+                quality[(a, b)] = (share, max(links.latency_s(pa, pb), links.latency_s(pb, pa)))
+    best_latency = [float("inf")] * n
+    for (a, b), (_, latency) in quality.items():
+        best_latency[a] = min(best_latency[a], latency)
+        best_latency[b] = min(best_latency[b], latency)
+    pairs = sorted(quality.items(), key=lambda item: (-item[1][0], item[1][1], item[0]))
     sets = _Sets(n)
-    for (a, b), cost in pairs:
-        if cost <= CLOSE_FACTOR * max(best[a], best[b]):
+    for (a, b), (share, latency) in pairs:
+        near = latency <= CLOSE_FACTOR * min(best_latency[a], best_latency[b]) + LATENCY_SLACK_S
+        if share >= CLOSE_RATIO and near:
             sets.union(a, b)
-    pool = [i for i in range(n) if best[i] == float("inf")]
+    pool = [i for i in range(n) if best_latency[i] == float("inf")]
     for i in pool[1:]:
         sets.union(pool[0], i)
 
@@ -119,7 +123,7 @@ def split_sites(
             root = sets.union(ra, rb)
             memory[root], size[root] = total_memory, total_size
 
-    for (a, b), _ in pairs:  # cheapest bridges first, only out of a site that cannot train alone
+    for (a, b), _ in pairs:  # best bridges first, only out of a site that cannot train alone
         ra, rb = sets.find(a), sets.find(b)
         if ra != rb and not (feasible(ra) and feasible(rb)):
             merge(ra, rb)
@@ -154,7 +158,6 @@ def cluster_by_site(
     sites = split_sites(
         peers,
         links,
-        message_bytes=reference_bytes(layers, job),
         need_bytes=float(model_memory_bytes(layers, job)),
         min_size=job.min_stages,
     )

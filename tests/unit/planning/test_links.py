@@ -197,8 +197,8 @@ def test_a_site_too_small_for_the_model_joins_its_best_bridge() -> None:
     reports["p99"] = [LinkReport("p01", 50 * MB, 50 * MB, 0.01), LinkReport("p00", 1 * MB, 1 * MB, 0.3)]
     everyone = [*peers, loner]
     links = LinkMatrix.build(everyone, reports)
-    sites = split_sites(everyone, links, message_bytes=200_000, need_bytes=2.0, min_size=2)
+    sites = split_sites(everyone, links, need_bytes=2.0, min_size=2)
     assert [[p.peer_id for p in site] for site in sites] == [["p00", "p02"], ["p01", "p03", "p99"]]
     newcomer = peer("p50")
-    sites = split_sites([*everyone, newcomer], links, message_bytes=200_000, need_bytes=2.0, min_size=1)
+    sites = split_sites([*everyone, newcomer], links, need_bytes=2.0, min_size=1)
     assert ["p50"] in [[p.peer_id for p in site] for site in sites]  # unmeasured: a pool of its own
