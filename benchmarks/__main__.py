@@ -12,6 +12,7 @@ from benchmarks.harness import write_index
 ALL = [
     "bench_placement",
     "bench_planner",
+    "bench_planner_links",
     "bench_gossip",
     "bench_averaging",
     "bench_learning",

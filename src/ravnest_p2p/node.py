@@ -15,8 +15,23 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ravnest_p2p._version import __version__
-from ravnest_p2p.discovery import Announcer, PeerDirectory, PeerRecord, RunDHT, dht_time
-from ravnest_p2p.measurement import NetworkMeter, ProbeConfig, free_memory_bytes, measure_matmul_flops
+from ravnest_p2p.discovery import (
+    MAX_LINKS,
+    Announcer,
+    LinkRecord,
+    PeerDirectory,
+    PeerRecord,
+    RunDHT,
+    dht_time,
+)
+from ravnest_p2p.discovery.records import MAX_RTT_MS
+from ravnest_p2p.measurement import (
+    LinkPublisher,
+    NetworkMeter,
+    ProbeConfig,
+    free_memory_bytes,
+    measure_matmul_flops,
+)
 from ravnest_p2p.membership import DhtPlanBoard, MembershipConfig, MembershipService
 from ravnest_p2p.planning import JobParams
 from ravnest_p2p.training.handover import HandoverServer
@@ -121,6 +136,7 @@ class Peer:
         self.dht = dht
         self.rpc = RpcEndpoint(transport, config.run_id)
         self.meter = NetworkMeter(self.rpc, config.probe)
+        self.link_publisher = LinkPublisher(max_links=MAX_LINKS)
         # nobody dials a client-mode peer: it dials the peers it reads, or its DHT reaches only its
         # initial peers (see `discovery.dht`)
         self.directory = PeerDirectory(
@@ -193,7 +209,10 @@ class Peer:
         await self.announcer.publish_once()
         self._tasks.spawn(self.announcer.run(), name="announce")
         self._tasks.spawn(self.directory.run(), name="directory")
-        self._tasks.spawn(self.meter.run(self._probe_candidates, self.announcer.refresh_soon), name="probe")
+        self._tasks.spawn(
+            self.meter.run(self._probe_candidates, self.announcer.refresh_soon, self._probe_priority),
+            name="probe",
+        )
         if self.membership is not None:
             await self.membership.serve()
             self.membership.add_listener(lambda _plan: self.announcer.refresh_soon())
@@ -278,6 +297,29 @@ class Peer:
             pid for pid, rec in self.directory.active(exclude=self.peer_id).items() if not rec.client_mode
         ]
 
+    def _probe_priority(self) -> frozenset[str]:
+        return self.membership.probe_priority() if self.membership is not None else frozenset()
+
+    def _published_links(self) -> tuple[LinkRecord, ...]:
+        """The measured links for the record (stable set, steady figures: see `measurement.links`)."""
+        emulate = self.config.emulate
+        chosen = self.link_publisher.select(
+            self.meter.links,
+            alive=self._probe_candidates(),
+            priority=self._probe_priority(),
+            up_cap_mbps=emulate.upload_mbps if emulate is not None else None,
+            down_cap_mbps=emulate.download_mbps if emulate is not None else None,
+        )
+        return tuple(
+            LinkRecord(
+                peer_id=link.peer_id,
+                up_mbps=link.up_mbps,
+                down_mbps=link.down_mbps,
+                rtt_ms=min(link.rtt_ms, MAX_RTT_MS),
+            )
+            for link in chosen
+        )
+
     def _make_record(self) -> PeerRecord:
         up, down, rtt = self.meter.summary()
         flops, emulate = self.flops, self.config.emulate
@@ -285,6 +327,7 @@ class Peer:
             flops *= emulate.flops_scale
             up = min(up, emulate.upload_mbps or up)
             down = min(down, emulate.download_mbps or down)
+        links = self._published_links()
         epoch, cluster, stage = self.membership.position() if self.membership else (0, None, None)
         return PeerRecord(
             peer_id=self.peer_id,
@@ -303,6 +346,7 @@ class Peer:
             stage=stage,
             run_owner=self.config.run_owner,
             updated_at=dht_time(),
+            links=links,
         )
 
     def status(self) -> PeerStatus:

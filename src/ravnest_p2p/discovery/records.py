@@ -5,6 +5,14 @@ A record arrives from the DHT as msgpack under a subkey holding its owner's RSA 
 `PeerRecord` with strict ranges (no NaN/inf; physically absurd figures such as 10^18 FLOP/s are refused
 so a liar cannot distort the plan), (2) check that the peer id it claims is the one derived from the
 signing key, and (3) check the schema's major version. Anything failing is dropped, never repaired.
+
+Links. A record carries at most `MAX_LINKS` of its owner's measured links to other peers (rates and
+round trip, as measured by the owner's probes): the planner's pairwise matrix is built from these, so
+every peer plans with the same figures. They are validated like the rest (ranges, well-formed and
+distinct peer ids, never the owner itself); a record with a bad link is refused whole. The field is
+optional and older readers ignore it, so it needs no new schema version. Worst case (16 maximal
+addresses and `MAX_LINKS` maximal links) the record stays below the ``peers`` key's 16 KiB cap (a unit
+test pins it).
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from pydantic import Field, StringConstraints, ValidationError
+from pydantic import Field, StringConstraints, ValidationError, model_validator
 
 from ravnest_p2p.errors import InvalidRecord
 from ravnest_p2p.types import PeerState, WireModel
@@ -20,7 +28,9 @@ from ravnest_p2p.types import PeerState, WireModel
 __all__ = [
     "MAX_BANDWIDTH_MBPS",
     "MAX_FLOPS",
+    "MAX_LINKS",
     "SCHEMA_VERSION",
+    "LinkRecord",
     "PeerIdStr",
     "PeerRecord",
     "owner_public_key",
@@ -34,6 +44,7 @@ MAX_FLOPS = 5e15
 MAX_MEMORY_BYTES = 4 * 2**40
 MAX_BANDWIDTH_MBPS = 400_000.0
 MAX_RTT_MS = 60_000.0
+MAX_LINKS = 32
 
 _PUBLIC_KEY_RE = re.compile(rb"\[owner:(.+?)\]")
 
@@ -42,6 +53,15 @@ PeerIdStr = Annotated[
 ]
 Maddr = Annotated[str, StringConstraints(min_length=4, max_length=512)]
 ShortStr = Annotated[str, StringConstraints(max_length=64)]
+
+
+class LinkRecord(WireModel):
+    """The owner's measured link to ``peer_id``: rates both ways and the round trip."""
+
+    peer_id: PeerIdStr
+    up_mbps: float = Field(gt=0, le=MAX_BANDWIDTH_MBPS, description="owner -> peer_id")
+    down_mbps: float = Field(gt=0, le=MAX_BANDWIDTH_MBPS, description="peer_id -> owner")
+    rtt_ms: float = Field(ge=0, le=MAX_RTT_MS)
 
 
 class PeerRecord(WireModel):
@@ -64,6 +84,16 @@ class PeerRecord(WireModel):
     stage: int | None = Field(default=None, ge=0, le=100_000)
     run_owner: PeerIdStr | None = Field(default=None, description="the run owner this peer obeys; None: open")
     updated_at: float = Field(ge=0, description="DHT time of publication")
+    links: tuple[LinkRecord, ...] = Field(default=(), max_length=MAX_LINKS)
+
+    @model_validator(mode="after")
+    def _links_name_others_once(self) -> PeerRecord:
+        named = [link.peer_id for link in self.links]
+        if len(set(named)) != len(named):
+            raise ValueError("a peer appears twice in links")
+        if self.peer_id in named:
+            raise ValueError("a record cannot report a link to its own peer")
+        return self
 
 
 def owner_public_key(subkey: Any) -> bytes | None:

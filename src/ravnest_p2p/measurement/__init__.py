@@ -1,7 +1,16 @@
 """Self-measurement: compute (matmul FLOP/s), free memory, and network (RTT, bandwidth) probes."""
 
 from ravnest_p2p.measurement.compute import measure_matmul_flops
+from ravnest_p2p.measurement.links import LinkPublisher, PublishedLink
 from ravnest_p2p.measurement.memory import free_memory_bytes
 from ravnest_p2p.measurement.network import LinkEstimate, NetworkMeter, ProbeConfig
 
-__all__ = ["LinkEstimate", "NetworkMeter", "ProbeConfig", "free_memory_bytes", "measure_matmul_flops"]
+__all__ = [
+    "LinkEstimate",
+    "LinkPublisher",
+    "NetworkMeter",
+    "ProbeConfig",
+    "PublishedLink",
+    "free_memory_bytes",
+    "measure_matmul_flops",
+]

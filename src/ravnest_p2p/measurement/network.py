@@ -8,6 +8,11 @@ Estimates are exponential moving averages per peer; the peer's advertised
 figure is the best over peers (a slow remote end limits a probe, our own link never looks faster than it
 is). Probes are bounded in size and in rate (`period_s`), and a server answers at most a couple at once,
 so probing cannot crowd out training traffic.
+
+Priority. The caller may name the peers the current plan depends on (pipeline neighbours, averaging
+ring neighbours): their links enter the planner's matrix first. A round picks, in order: priority peers
+not probed within `priority_refresh_s` (never probed first), then peers never probed, then the least
+recently probed. The refresh bound keeps a plan's few neighbours from taking every round.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import asyncio
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +80,7 @@ class ProbeConfig(BaseModel):
     min_transfer_s: float = Field(default=0.5, gt=0)
     ema_alpha: float = Field(default=0.3, gt=0, le=1)
     timeout_s: float = Field(default=20.0, gt=0)
+    priority_refresh_s: float = Field(default=120.0, gt=0)
 
 
 @dataclass
@@ -195,16 +201,22 @@ class NetworkMeter:
         link.last_probe_monotonic = time.monotonic()
         return link
 
-    def _pick(self, candidates: Iterable[str]) -> list[str]:
-        ordered = sorted(
-            candidates, key=lambda p: (self.links.get(p, LinkEstimate()).last_probe_monotonic, p)
-        )
-        return ordered[: self.config.fanout]
+    def _pick(self, candidates: Iterable[str], priority: Collection[str] = ()) -> list[str]:
+        stale_before = time.monotonic() - self.config.priority_refresh_s
 
-    async def probe_round(self, candidates: Iterable[str]) -> int:
-        """Probe the least recently probed `fanout` candidates; return how many succeeded."""
+        def key(peer_id: str) -> tuple[int, float, str]:
+            link = self.links.get(peer_id)
+            last = link.last_probe_monotonic if link is not None else 0.0
+            if peer_id in priority and (link is None or last < stale_before):
+                return 0, last, peer_id
+            return (1 if link is None else 2), last, peer_id
+
+        return sorted(candidates, key=key)[: self.config.fanout]
+
+    async def probe_round(self, candidates: Iterable[str], priority: Collection[str] = ()) -> int:
+        """Probe `fanout` candidates (priority, unprobed, least recent); return how many succeeded."""
         ok = 0
-        for peer_id in self._pick(candidates):
+        for peer_id in self._pick(candidates, priority):
             try:
                 await self.probe(peer_id)
                 ok += 1
@@ -212,10 +224,16 @@ class NetworkMeter:
                 logger.debug("probe to %s failed: %s", peer_id, exc)
         return ok
 
-    async def run(self, candidates: Callable[[], Iterable[str]], on_update: Callable[[], None]) -> None:
+    async def run(
+        self,
+        candidates: Callable[[], Iterable[str]],
+        on_update: Callable[[], None],
+        priority: Callable[[], Collection[str]] | None = None,
+    ) -> None:
         while True:
             peers = list(candidates())
-            if peers and await self.probe_round(peers):
+            wanted = priority() if priority is not None else ()
+            if peers and await self.probe_round(peers, wanted):
                 on_update()
             # until every known peer has been probed once, come back sooner
             unprobed = any(p not in self.links for p in peers)

@@ -36,12 +36,19 @@ from ravnest_p2p.membership.gossip import Gossiper, GossipLimits
 from ravnest_p2p.membership.suspects import DhtSuspectBoard, SuspectBoard, SuspectKind
 from ravnest_p2p.membership.suspicion import SuspicionKeeper
 from ravnest_p2p.membership.view import Capacity, MembershipView, SummaryItem
-from ravnest_p2p.planning import JobParams, Plan, make_plan
+from ravnest_p2p.planning import JobParams, LinkMatrix, PeerCapacity, Plan, make_plan
 from ravnest_p2p.transport import RpcEndpoint
 from ravnest_p2p.types import LayerProfile, PeerState
 from ravnest_p2p.utils import run_in_compute_thread
 
-__all__ = ["DEFAULT_LAYERS", "MembershipConfig", "MembershipService", "RecordSource", "plan_position"]
+__all__ = [
+    "DEFAULT_LAYERS",
+    "MembershipConfig",
+    "MembershipService",
+    "RecordSource",
+    "plan_neighbours",
+    "plan_position",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +72,31 @@ def plan_position(plan: Plan | None, peer_id: str) -> tuple[int | None, int | No
     return None, None
 
 
+def plan_neighbours(plan: Plan | None, peer_id: str) -> frozenset[str]:
+    """The peers whose links to ``peer_id`` the plan depends on.
+
+    Its pipeline neighbours (the stages before and after it) and, for averaging, the peers holding
+    the same stage in the clusters before and after its own (by cluster index, wrapping): the ring's
+    neighbours when clusters are ringed in index order, a stand-in otherwise.
+    """
+    cluster, stage = plan_position(plan, peer_id)
+    if plan is None or cluster is None or stage is None:
+        return frozenset()
+    stages = plan.clusters[cluster].stages
+    out = {stages[j].peer_id for j in (stage - 1, stage + 1) if 0 <= j < len(stages)}
+    peers = [c.stages[stage].peer_id for c in plan.clusters if stage < len(c.stages)]
+    if len(peers) > 1:
+        mine = peers.index(peer_id)
+        out |= {peers[(mine - 1) % len(peers)], peers[(mine + 1) % len(peers)]}
+    out.discard(peer_id)
+    return frozenset(out)
+
+
+def view_links(live: dict[str, Capacity], peers: list[PeerCapacity]) -> LinkMatrix:
+    """The link matrix of the view's live peers, from their bucketed link reports."""
+    return LinkMatrix.build(peers, {pid: cap.link_reports() for pid, cap in live.items()})
+
+
 class _Stale(Exception):
     pass
 
@@ -79,6 +111,7 @@ def record_capacity(record: PeerRecord) -> Capacity:
         memory_bytes=record.free_memory_bytes,
         upload_mbps=record.upload_mbps,
         download_mbps=record.download_mbps,
+        links=[(link.peer_id, link.up_mbps, link.down_mbps, link.rtt_ms) for link in record.links],
     )
 
 
@@ -304,17 +337,28 @@ class MembershipService:
         elif self.tracker.phase == Phase.ACTIVE and now - self._published_at > self.config.plan_ttl_s / 3:
             await self._publish(now)
 
+    def probe_priority(self) -> frozenset[str]:
+        """Peers whose links the current plan (active, else proposed) depends on: probe them first."""
+        return plan_neighbours(self.active_plan or self._proposal, self.peer_id)
+
+    def _plan_inputs(self) -> tuple[list[PeerCapacity], LinkMatrix | None]:
+        live = self.view.live()
+        peers = [cap.to_peer_capacity(pid) for pid, cap in live.items()]
+        return peers, view_links(live, peers) if self.config.plan_with_links else None
+
     def compute_plan(self) -> Plan:
         """The plan of the current view and epoch (live peers sorted by id; pure)."""
-        peers = [cap.to_peer_capacity(pid) for pid, cap in self.view.live().items()]
-        return make_plan(peers, self.config.layers, self.config.job, epoch=self.tracker.epoch)
+        peers, links = self._plan_inputs()
+        return make_plan(peers, self.config.layers, self.config.job, epoch=self.tracker.epoch, links=links)
 
     async def _compute_plan_off_loop(self) -> Plan:
         # make_plan grows super-linearly (~15 s for 100 peers on this machine): run it on the compute
         # thread over a snapshot taken here, so the loop keeps gossiping and the view cannot race it.
-        peers = [cap.to_peer_capacity(pid) for pid, cap in self.view.live().items()]
+        peers, links = self._plan_inputs()
         epoch, digest, workload = self.tracker.epoch, self.view.digest(), self.workload
-        plan = await run_in_compute_thread(make_plan, peers, self.config.layers, self.config.job, epoch=epoch)
+        plan = await run_in_compute_thread(
+            make_plan, peers, self.config.layers, self.config.job, epoch=epoch, links=links
+        )
         if (epoch, digest, workload) != (self.tracker.epoch, self.view.digest(), self.workload):
             raise _Stale()
         return plan

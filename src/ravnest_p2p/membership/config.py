@@ -50,6 +50,8 @@ class MembershipConfig(BaseModel):
     exclude_for_s: float = Field(default=120.0, ge=0)
     suspect_report_ttl_s: float = Field(default=60.0, gt=2)
     plan_ttl_s: float = Field(default=120.0, gt=2)
+    # plan with the pairwise link matrix built from the records' measured links (see planning.links)
+    plan_with_links: bool = True
     job: JobParams = JobParams(micro_batch_size=32)
     layers: tuple[LayerProfile, ...] = Field(default=DEFAULT_LAYERS, min_length=1)
 

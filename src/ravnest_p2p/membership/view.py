@@ -9,7 +9,11 @@ What is in an entry. ``peer id -> (version, capacity)``: the version is the owne
 half-octave buckets* (integers). Quantising is what makes agreement possible at all: measured bandwidth
 and free memory move a little on every refresh, and raw floats would change the view every few
 seconds. Whole buckets are also canonical (no float printing in digests). The epoch/cluster/stage a
-record carries are deliberately left out: they are outputs of the plan, not inputs.
+record carries are deliberately left out: they are outputs of the plan, not inputs. The record's
+measured links (`discovery.PeerRecord.links`) are in, bucketed the same way (rates in half-octaves,
+round trips in half-octaves of milliseconds): the planner's `planning.LinkMatrix` is built from the
+view, so peers that agree on the view agree on the matrix. A record without links has the same content
+digest as before links existed.
 
 Digests. The view digest and the per-bucket digests cover ``(peer id, content digest)`` of live entries
 only, never versions: a peer re-announcing an unchanged record (every TTL/3) changes nothing anyone
@@ -40,7 +44,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ravnest_p2p.planning import PeerCapacity
+from ravnest_p2p.planning import LinkReport, PeerCapacity
 
 __all__ = ["Capacity", "MembershipView", "SummaryItem", "ViewEntry", "bucket_of"]
 
@@ -49,6 +53,10 @@ _MBPS_TO_BYTES_PER_S = 1e6 / 8
 _MIN_FLOPS = 1e6
 _MIN_MBPS = 1.0
 _MIN_MEMORY_BYTES = 2**20
+_MIN_RTT_MS = 0.05
+
+LinkBuckets = tuple[str, int, int, int]
+"""``(peer id, up bucket, down bucket, rtt bucket)`` of one measured link."""
 
 
 def _bucket(value: float, floor: float) -> int:
@@ -69,21 +77,52 @@ class Capacity:
     memory_bucket: int
     upload_bucket: int
     download_bucket: int
+    links: tuple[LinkBuckets, ...] = ()  # sorted by peer id
 
     @classmethod
     def from_figures(
-        cls, *, flops: float, memory_bytes: float, upload_mbps: float, download_mbps: float
+        cls,
+        *,
+        flops: float,
+        memory_bytes: float,
+        upload_mbps: float,
+        download_mbps: float,
+        links: Iterable[tuple[str, float, float, float]] = (),
     ) -> Capacity:
+        """Bucket a record's figures; ``links`` are ``(peer id, up Mbit/s, down Mbit/s, rtt ms)``."""
         return cls(
             flops_bucket=_bucket(flops, _MIN_FLOPS),
             memory_bucket=_bucket(memory_bytes, _MIN_MEMORY_BYTES),
             upload_bucket=_bucket(upload_mbps, _MIN_MBPS),
             download_bucket=_bucket(download_mbps, _MIN_MBPS),
+            links=tuple(
+                sorted(
+                    (pid, _bucket(up, _MIN_MBPS), _bucket(down, _MIN_MBPS), _bucket(rtt, _MIN_RTT_MS))
+                    for pid, up, down, rtt in links
+                )
+            ),
         )
 
     def digest(self) -> str:
         text = f"{self.flops_bucket},{self.memory_bucket},{self.upload_bucket},{self.download_bucket}"
+        if self.links:
+            text += "|" + ";".join(f"{pid},{up},{down},{rtt}" for pid, up, down, rtt in self.links)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def link_reports(self) -> list[LinkReport]:
+        """The planner's link reports of this peer, bytes/s and seconds.
+
+        Rates take the lower bucket edge and round trips the upper one: both err on the slow side.
+        """
+        return [
+            LinkReport(
+                peer_id=pid,
+                upload_bytes_per_s=_unbucket(up) * _MBPS_TO_BYTES_PER_S,
+                download_bytes_per_s=_unbucket(down) * _MBPS_TO_BYTES_PER_S,
+                rtt_s=_unbucket(rtt + 1) / 1000,
+            )
+            for pid, up, down, rtt in self.links
+        ]
 
     def to_peer_capacity(self, peer_id: str) -> PeerCapacity:
         """The planner's input for this peer (lower bucket edges, bandwidth in bytes/s)."""

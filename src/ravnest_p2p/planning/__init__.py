@@ -10,6 +10,7 @@ from ravnest_p2p.planning.dtfm import (
     random_placement,
 )
 from ravnest_p2p.planning.dtfm_search import SearchConfig, SearchResult, hybrid_search
+from ravnest_p2p.planning.links import DEFAULT_LATENCY_S, LinkMatrix, LinkReport
 from ravnest_p2p.planning.ordering import order_stages
 from ravnest_p2p.planning.partition import (
     evaluate_partition,
@@ -28,10 +29,13 @@ from ravnest_p2p.planning.types import (
 )
 
 __all__ = [
+    "DEFAULT_LATENCY_S",
     "ClusterPlan",
     "CostModel",
     "InfeasiblePlan",
     "JobParams",
+    "LinkMatrix",
+    "LinkReport",
     "PeerCapacity",
     "Placement",
     "Plan",

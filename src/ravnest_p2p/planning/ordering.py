@@ -24,6 +24,11 @@ enumeration (one or two DP runs do not repay the precomputation). Measured with 
 at 1,000 peers 0.56 -> 0.31 s (medium model), 0.10 s (small, unchanged); at 10,000 peers 10.7 -> 7.2 s
 (medium; ordering's share 15.2 -> 2.6 s under cProfile), 1.0 s (small, unchanged).
 
+Measured links. Given a `links.LinkMatrix`, each ordered pair's send term is the pair's own
+``latency + bytes / rate`` (measured, or estimated from the two peers' figures), in the scorer and in
+the final `partition_layers` alike, so the search prefers orders whose consecutive stages are well
+connected; the start order of the swap search is unchanged (link speed, fastest first).
+
 Alternatives rejected. Ordering by a bottleneck path over link speeds alone (a bottleneck TSP) ignores
 where cuts land and the peers' compute; enumerating is cheap up to 6 peers once pruned.
 Limits: above `EXACT_LIMIT` the answer is a local optimum, not proven optimal.
@@ -37,6 +42,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ravnest_p2p.planning.links import LinkMatrix
 from ravnest_p2p.planning.partition import layer_memory_bytes, partition_layers
 from ravnest_p2p.planning.types import InfeasiblePlan, JobParams, PeerCapacity
 from ravnest_p2p.types import LayerProfile
@@ -54,8 +60,15 @@ class _OrderScorer:
     Every expression mirrors `partition_layers` operation for operation so the values are identical.
     """
 
-    def __init__(self, peers: Sequence[PeerCapacity], layers: Sequence[LayerProfile], job: JobParams):
+    def __init__(
+        self,
+        peers: Sequence[PeerCapacity],
+        layers: Sequence[LayerProfile],
+        job: JobParams,
+        links: LinkMatrix | None = None,
+    ):
         self.peers = list(peers)
+        self.links = links
         self.num_layers = n = len(layers)
         self.batch = batch = job.micro_batch_size
         flops_prefix = np.concatenate([[0.0], np.cumsum([layer.flops_per_sample for layer in layers])])
@@ -91,8 +104,13 @@ class _OrderScorer:
         times = self._pair.get(key)
         if times is None:
             sender, receiver = self.peers[peer], self.peers[nxt]
-            link = min(sender.upload_bytes_per_s, receiver.download_bytes_per_s)
-            raw = self._compute[peer] + self._send_bytes / link
+            if self.links is None:
+                link = min(sender.upload_bytes_per_s, receiver.download_bytes_per_s)
+                raw = self._compute[peer] + self._send_bytes / link
+            else:  # the same operations as `partition_layers` with a matrix
+                rate = self.links.rate(sender.peer_id, receiver.peer_id)
+                latency_s = self.links.latency_s(sender.peer_id, receiver.peer_id)
+                raw = self._compute[peer] + (self._send_bytes / rate + latency_s)
             times = self._pair[key] = np.where(self._allowed[peer], raw, np.inf)
         return times
 
@@ -145,6 +163,7 @@ def order_stages(
     peers: Sequence[PeerCapacity],
     layers: Sequence[LayerProfile],
     job: JobParams,
+    links: LinkMatrix | None = None,
 ) -> tuple[tuple[PeerCapacity, ...], tuple[int, ...], float]:
     """Choose the pipeline order of ``peers`` and the matching optimal partition.
 
@@ -152,6 +171,7 @@ def order_stages(
         peers: the cluster's peers, any order (they are sorted by id first for determinism).
         layers: the model's layers in forward order.
         job: micro-batch size and memory knobs.
+        links: pairwise rates and latencies of the send terms; None: per-peer up/down figures.
 
     Returns:
         ``(ordered_peers, cuts, bottleneck_s)`` as in `partition.partition_layers`.
@@ -166,7 +186,7 @@ def order_stages(
         found: tuple[tuple[PeerCapacity, ...], tuple[int, ...], float] | None = None
         for perm in itertools.permutations(ordered):
             try:
-                cuts, value = partition_layers(perm, layers, job)
+                cuts, value = partition_layers(perm, layers, job, links)
             except InfeasiblePlan:
                 continue
             if found is None or value < found[2]:
@@ -174,7 +194,7 @@ def order_stages(
         if found is None:
             raise InfeasiblePlan("no stage order fits the model in the cluster's memory")
         return found
-    scorer = _OrderScorer(ordered, layers, job)
+    scorer = _OrderScorer(ordered, layers, job, links)
     if len(ordered) <= EXACT_LIMIT:
         best_value, best_perm = _exhaustive(scorer, len(ordered))
     else:
@@ -197,5 +217,5 @@ def order_stages(
     if best_perm is None or not math.isfinite(best_value):
         raise InfeasiblePlan("no stage order fits the model in the cluster's memory")
     best_order = tuple(ordered[i] for i in best_perm)
-    cuts, bottleneck = partition_layers(best_order, layers, job)
+    cuts, bottleneck = partition_layers(best_order, layers, job, links)
     return best_order, cuts, bottleneck

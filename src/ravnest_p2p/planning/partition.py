@@ -20,6 +20,9 @@ activation sizes at the cut; greedy "fill until the budget" splits are not optim
 search on the bottleneck plus a greedy feasibility check is exact only without the per-stage send term
 (which depends on where the cut lands) -- the DP handles both.
 
+With a measured `links.LinkMatrix` the send term is ``latency(p_j, p_j+1) + bytes / rate(p_j, p_j+1)``
+instead (pairwise, measured where known); without one the expressions above are evaluated unchanged.
+
 Known limits. ``flops_per_sample`` is taken as forward+backward work; the backward gradient travels the
 reverse link and is assumed symmetric to the forward activation; compute and communication are added,
 not overlapped (a conservative estimate); per-peer memory is the only constraint (no global one).
@@ -33,6 +36,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ravnest_p2p.planning.links import LinkMatrix
 from ravnest_p2p.planning.types import InfeasiblePlan, JobParams, PeerCapacity
 from ravnest_p2p.types import LayerProfile
 
@@ -73,6 +77,7 @@ def evaluate_partition(
     layers: Sequence[LayerProfile],
     job: JobParams,
     cuts: Sequence[int],
+    links: LinkMatrix | None = None,
 ) -> tuple[list[float], list[int]]:
     """Per-stage times and memory for explicit cut points (``0 < cuts[0] < ... < n``, ``S - 1`` of them).
 
@@ -90,7 +95,12 @@ def evaluate_partition(
         compute_s = batch * sum(layer.flops_per_sample for layer in layers[a:b]) / peer.flops_per_s
         send_s = 0.0
         if j + 1 < len(peers):
-            send_s = batch * layers[b - 1].activation_bytes_per_sample / _link_bytes_per_s(peer, peers[j + 1])
+            send_bytes = batch * layers[b - 1].activation_bytes_per_sample
+            if links is None:
+                send_s = send_bytes / _link_bytes_per_s(peer, peers[j + 1])
+            else:
+                sender, receiver = peer.peer_id, peers[j + 1].peer_id
+                send_s = send_bytes / links.rate(sender, receiver) + links.latency_s(sender, receiver)
         times.append(compute_s + send_s)
         memory.append(sum(layer_memory_bytes(layer, job) for layer in layers[a:b]))
     return times, memory
@@ -100,6 +110,7 @@ def partition_layers(
     peers: Sequence[PeerCapacity],
     layers: Sequence[LayerProfile],
     job: JobParams,
+    links: LinkMatrix | None = None,
 ) -> tuple[tuple[int, ...], float]:
     """Optimal contiguous split of ``layers`` over the ordered ``peers`` (exact DP).
 
@@ -107,6 +118,7 @@ def partition_layers(
         peers: the stages' peers in pipeline order; each gets at least one layer.
         layers: the model's cuttable layers in forward order.
         job: micro-batch size and memory knobs.
+        links: pairwise rates and latencies for the send term; None: per-peer up/down figures.
 
     Returns:
         ``(cuts, bottleneck_s)``: the ``S - 1`` cut indices (stage ``j`` holds layers
@@ -140,7 +152,12 @@ def partition_layers(
     for j, peer in enumerate(peers):
         compute_s = batch * (flops_prefix[None, :] - flops_prefix[:, None]) / peer.flops_per_s
         if j + 1 < num_stages:
-            times = compute_s + send_bytes / _link_bytes_per_s(peer, peers[j + 1])
+            if links is None:
+                times = compute_s + send_bytes / _link_bytes_per_s(peer, peers[j + 1])
+            else:
+                sender, receiver = peer.peer_id, peers[j + 1].peer_id
+                rate, latency_s = links.rate(sender, receiver), links.latency_s(sender, receiver)
+                times = compute_s + (send_bytes / rate + latency_s)
         else:
             times = compute_s
         fits = (memory_prefix[None, :] - memory_prefix[:, None]) <= peer.memory_bytes

@@ -8,6 +8,11 @@ Why this split and not one global optimiser (e.g. DT-FM over all peers, see `dtf
 setting measures per-peer bandwidth, not a full latency/bandwidth matrix, and each cluster trains a full
 replica; DT-FM's placement is available for swarms that do have a matrix.
 
+Measured links. With a `links.LinkMatrix` (built from the peers' signed link reports, see
+`links`), clusters are formed inside sites of well-connected peers (`sites.cluster_by_site`) and every
+cluster's stage order and partition use the pairwise rates and latencies. Without one (the default),
+the plan is the per-peer-figures plan, bit for bit.
+
 Fallbacks. A cluster with more peers than layers keeps its fastest peers (one layer each at least);
 the rest wait as spares. A cluster that fits the model in total but cannot be split contiguously within
 every peer's memory (fragmentation) is dissolved into spares rather than failing the whole plan.
@@ -19,8 +24,10 @@ import logging
 from collections.abc import Sequence
 
 from ravnest_p2p.planning.clustering import cluster_peers
+from ravnest_p2p.planning.links import LinkMatrix
 from ravnest_p2p.planning.ordering import order_stages
 from ravnest_p2p.planning.partition import evaluate_partition, layer_memory_bytes
+from ravnest_p2p.planning.sites import cluster_by_site
 from ravnest_p2p.planning.types import (
     ClusterPlan,
     InfeasiblePlan,
@@ -37,10 +44,14 @@ logger = logging.getLogger(__name__)
 
 
 def _cluster_plan(
-    index: int, members: Sequence[PeerCapacity], layers: Sequence[LayerProfile], job: JobParams
+    index: int,
+    members: Sequence[PeerCapacity],
+    layers: Sequence[LayerProfile],
+    job: JobParams,
+    links: LinkMatrix | None,
 ) -> ClusterPlan:
-    order, cuts, bottleneck = order_stages(members, layers, job)
-    times, _ = evaluate_partition(order, layers, job, cuts)
+    order, cuts, bottleneck = order_stages(members, layers, job, links)
+    times, _ = evaluate_partition(order, layers, job, cuts, links)
     bounds = [0, *cuts, len(layers)]
     stages = tuple(
         StageAssignment(
@@ -61,6 +72,7 @@ def make_plan(
     job: JobParams,
     *,
     epoch: int,
+    links: LinkMatrix | None = None,
 ) -> Plan:
     """Plan clusters, stage order and layer split for ``peers`` (pure and deterministic).
 
@@ -69,6 +81,8 @@ def make_plan(
         layers: the model's layer profile in forward order.
         job: micro-batch size, in-flight depth, memory headroom, spare policy.
         epoch: the plan's epoch (seeds clustering; recorded in the plan).
+        links: measured pairwise rates/latencies of ``peers`` (None: per-peer figures only). It must be
+            built from data every peer reads alike (the agreed view), or plans will differ.
 
     Returns:
         A `Plan`; clusters are numbered in order of their smallest peer id. With too little memory in
@@ -76,7 +90,10 @@ def make_plan(
     """
     if not layers:
         raise ValueError("the model has no layers")
-    clusters, spares = cluster_peers(peers, layers, job, epoch=epoch)
+    if links is None:
+        clusters, spares = cluster_peers(peers, layers, job, epoch=epoch)
+    else:
+        clusters, spares = cluster_by_site(peers, layers, job, links, epoch=epoch)
     spare_list = list(spares)
     plans: list[ClusterPlan] = []
     for members in clusters:
@@ -86,7 +103,7 @@ def make_plan(
             members_list, extra = by_speed[: len(layers)], by_speed[len(layers) :]
             spare_list += extra
         try:
-            plans.append(_cluster_plan(len(plans), members_list, layers, job))
+            plans.append(_cluster_plan(len(plans), members_list, layers, job, links))
         except InfeasiblePlan as exc:
             logger.debug("cluster of %d peers dissolved: %s", len(members_list), exc)
             spare_list += members_list

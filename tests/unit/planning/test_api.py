@@ -10,8 +10,11 @@ def test_public_api_is_pinned() -> None:
     assert sorted(planning.__all__) == [
         "ClusterPlan",
         "CostModel",
+        "DEFAULT_LATENCY_S",
         "InfeasiblePlan",
         "JobParams",
+        "LinkMatrix",
+        "LinkReport",
         "PeerCapacity",
         "Placement",
         "Plan",
