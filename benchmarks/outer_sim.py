@@ -164,7 +164,10 @@ def simulate(
 def _sync(models: list[nn.Module], outers: list[OuterOptimizer]) -> None:
     named = [dict(m.named_parameters()) for m in models]
     if outers:
-        proposals = [o.outgoing({n: t.detach().clone() for n, t in p.items()}) for o, p in zip(outers, named)]
+        proposals = [
+            o.outgoing({n: t.detach().clone() for n, t in p.items()})
+            for o, p in zip(outers, named, strict=True)
+        ]
         mean = {n: torch.stack([p[n] for p in proposals]).mean(0) for n in proposals[0]}
         for outer, params in zip(outers, named, strict=True):
             for name, value in outer.step(mean).items():

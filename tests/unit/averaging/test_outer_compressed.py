@@ -7,8 +7,8 @@ Marked slow: ~15 s on a quiet host (minutes on a loaded one).
 
 import pytest
 import torch
-
 from benchmarks.outer_sim import Method, make_problem, simulate
+
 from ravnest_p2p.averaging import DeltaCompression, OuterOptimizerConfig
 
 H = 10
