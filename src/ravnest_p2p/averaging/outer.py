@@ -35,6 +35,8 @@ were, and θ_local is not reset, so the progress it made is in its next Δ (appl
 joins). A ring that completed without some member applies the step of the members that completed; the
 member left out then holds an older anchor than the others. Its anchor re-converges (the difference
 contracts by ~0.5 per sync at lr 0.7, μ 0.9) but is not bit-identical again until a state transfer.
+The closing round (`wait_for_all`) is therefore a plain average of θ_local, as without an outer
+optimizer: the replicas end training identical.
 
 Re-plan. The state is keyed by global parameter name, like `training/stage_state.py`: `export_state`
 gives ``outer/<name>/<slot>`` tensors, `import_state` takes them (any subset; a new owner of some layers
@@ -51,6 +53,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from ravnest_p2p.averaging.base import RoundMetrics
 from ravnest_p2p.averaging.overlap import Averager, AveragerConfig, ReadFn, WriteFn
 from ravnest_p2p.averaging.pseudograd import DeltaCompression, compress
 from ravnest_p2p.averaging.ring import RingAllReduce
@@ -232,12 +235,29 @@ class OuterAverager(Averager):
     ) -> None:
         super().__init__(config, rings, read=read, write=write, shard_map=shard_map, link_rates=link_rates)
         self.outer = outer
+        self._closing = False
         self.payload_bytes: list[int] = []  # per round: the encoded pseudo-gradients' size
 
+    async def run_round(self, round_index: int, *, wait_for_all: bool = False) -> RoundMetrics | None:
+        """An outer sync; the closing round (`wait_for_all`) is a plain average of the replicas.
+
+        Why plain at the end: after it the replicas must agree, and an outer step depends on each
+        owner's anchor, which differs at a member a ring once left out; the ring's average does not.
+        """
+        self._closing = wait_for_all
+        try:
+            return await super().run_round(round_index, wait_for_all=wait_for_all)
+        finally:
+            self._closing = False
+
     async def _outgoing(self, snapshot: dict[str, Tensor]) -> Mapping[str, Tensor]:
+        if self._closing:
+            return snapshot
         out = await run_in_compute_thread(self.outer.outgoing, snapshot)
         self.payload_bytes.append(self.outer.payload_bytes)
         return out
 
     async def _incoming(self, averaged: dict[str, Tensor]) -> dict[str, Tensor]:
+        if self._closing:
+            return averaged
         return await run_in_compute_thread(self.outer.step, averaged)

@@ -17,10 +17,10 @@ pairs: the partner's stream waits for it (up to the ring's step deadline).
 At the last step every stage runs one more round synchronously, holding its pipeline work, so the
 replicas end training with identical weights (and evaluation sees them).
 
-With the job's `outer_optimizer`, every round (the closing one too) is an outer-optimizer sync instead
+With the job's `outer_optimizer`, every periodic round is an outer-optimizer sync instead
 (`averaging/outer.py`: averaged pseudo-gradients, an outer Nesterov step on a shared anchor); the
-schedule, rings and delayed apply are the same. Its state can move with the stage
-(`export_outer_state` / `import_outer_state`).
+schedule, rings and delayed apply are the same; the closing round stays a plain average. Its state
+can move with the stage (`export_outer_state` / `import_outer_state`).
 """
 
 from __future__ import annotations

@@ -120,3 +120,19 @@ async def test_outer_step_moves_further_than_the_average():
     assert not torch.allclose(plain_live[peer]["0.weight"], outer_live[peer]["0.weight"])
     for name in BUFFERS & set(plain_live[peer]):  # buffers are averaged plainly
         assert torch.equal(plain_live[peer][name], outer_live[peer][name])
+
+
+async def test_the_closing_round_is_a_plain_average_so_replicas_agree_even_with_diverged_anchors():
+    live, averagers, cluster_of = await make_swarm(3, OuterOptimizerConfig(), same_start=True)
+    for peer, averager in averagers.items():  # cluster 0's anchors fell behind (left out of a sync)
+        if cluster_of[peer] == 0:
+            assert isinstance(averager, OuterAverager)
+            for theta in averager.outer.theta.values():
+                theta.add_(0.5)
+    train_a_little(live, cluster_of, 0)
+    expected = {c: dict(d) for c, d in cluster_digests(live, cluster_of).items()}
+    await asyncio.gather(*(a.run_round(7, wait_for_all=True) for a in averagers.values()))
+    digests = cluster_digests(live, cluster_of)
+    assert digests[0] == digests[1] == digests[2]
+    assert digests[0] != expected[0]
+    assert all(isinstance(a, OuterAverager) and not a.payload_bytes for a in averagers.values())
