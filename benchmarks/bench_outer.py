@@ -117,7 +117,47 @@ def _markdown(rows: list[dict[str, object]], args: argparse.Namespace, target: f
         "|" + "---|" * len(cols),
     ]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+    lines += ["", *_summary(rows)]
     return "\n".join(lines) + "\n"
+
+
+def _summary(rows: list[dict[str, object]]) -> list[str]:
+    """Best periodic averaging (fewest bytes to the target) and each outer method's factor against it."""
+
+    def cost(row: dict[str, object]) -> float:
+        value = row.get("would_be_bytes_to_target")
+        return float(value) if isinstance(value, int) else float("inf")
+
+    periodic = [r for r in rows if str(r["method"]).startswith("periodic")]
+    if not periodic:
+        return []
+    best = min(periodic, key=cost)
+    out = [
+        f"Best periodic averaging: **{best['method']}** ({best['would_be_bytes_to_target']} B to target).",
+        "",
+    ]
+    out += ["| method | x fewer bytes than every step | x fewer than best periodic | final / every step |"]
+    out += ["|---|---|---|---|"]
+    for r in rows:
+        if str(r["method"]).startswith("outer"):
+            vs_best = "not reached" if cost(r) == float("inf") else f"{cost(best) / cost(r):.1f}"
+            out.append(
+                f"| {r['method']} | {r.get('reduction_vs_every_step', 'not reached')} | {vs_best} "
+                f"| {r['final_vs_every_step']} |"
+            )
+    return out
+
+
+def _rewrite(args: argparse.Namespace) -> None:
+    """Rewrite the .md and .png from the .json (after a change to the report, without rerunning)."""
+    payload = json.loads((RESULTS / "outer_optimizer.json").read_text())
+    traces = {n: Trace(**t) for n, t in payload["traces"].items()}
+    chosen = [m for m in methods() if m.name in traces]
+    every, target = traces["every step"], payload["target"]
+    rows = [_row(m, traces[m.name], target, every) for m in chosen]
+    run_args = argparse.Namespace(**payload["args"])
+    (RESULTS / "outer_optimizer.md").write_text(_markdown(rows, run_args, target, payload["numel"]))
+    _plot(traces, target, RESULTS / "outer_optimizer.png")
 
 
 def main() -> None:
@@ -126,7 +166,11 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--only", default="", help="comma-separated method names (debugging)")
+    parser.add_argument("--rewrite", action="store_true", help="only rewrite .md/.png from the .json")
     args = parser.parse_args()
+    if args.rewrite:
+        _rewrite(args)
+        return
     torch.set_num_threads(1)
     problem = make_problem("char", hidden=args.hidden)
     numel = sum(p.numel() for p in problem.model.parameters())
