@@ -147,13 +147,14 @@ class Averager:
         if not names:
             return None
         snapshot = await run_in_compute_thread(self._snapshot, names)
+        outgoing = await self._outgoing(snapshot)
         rates = None if self._link_rates is None else self._link_rates()
         averaged, metrics = await self.rings.all_reduce(
-            shard_map, snapshot, round_index=round_index, link_rates=rates, wait_for_all=wait_for_all
+            shard_map, outgoing, round_index=round_index, link_rates=rates, wait_for_all=wait_for_all
         )
         averaged_rings = {r.ring_id for r in metrics.rings if len(r.participants) > 1}
         in_average = {n for s in shard_map.shards if s.ring_id in averaged_rings for n in s.names}
-        averaged = {n: v for n, v in averaged.items() if n in in_average}
+        averaged = await self._incoming({n: v for n, v in averaged.items() if n in in_average})
         if averaged:
             await run_in_compute_thread(self._apply, averaged, snapshot)
         self.history.append(metrics)
@@ -166,6 +167,14 @@ class Averager:
             len(metrics.rings),
         )
         return metrics
+
+    async def _outgoing(self, snapshot: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """What the rings average for this snapshot (here: the snapshot; `outer.py` overrides)."""
+        return snapshot
+
+    async def _incoming(self, averaged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The values to apply as θ̄, from the rings' averages of the names that were averaged."""
+        return averaged
 
     def _snapshot(self, names: set[str]) -> dict[str, torch.Tensor]:
         live = self._read()

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ravnest_p2p.averaging.outer import OuterOptimizerConfig
 from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.training.modes import IstConfig, SyncBackupConfig, TrainingMode
 from ravnest_p2p.transport.codec import Compression
@@ -118,6 +119,7 @@ class JobSpec(_Config):
     eval_batch_size: int = Field(default=256, ge=1)
     averaging_period_steps: int = Field(default=0, ge=0)
     averaging_period_s: float = Field(default=0.0, ge=0, le=86_400)
+    outer_optimizer: OuterOptimizerConfig | None = None
     assignment: tuple[tuple[StagePlacement, ...], ...] | None = None
     checkpoint_every_steps: int = Field(default=0, ge=0)
     checkpoint_every_s: float = Field(default=0.0, ge=0, le=30 * 86_400)
@@ -128,6 +130,12 @@ class JobSpec(_Config):
     mode: TrainingMode = TrainingMode.PIPELINE
     sync_backup: SyncBackupConfig = SyncBackupConfig()
     ist: IstConfig = IstConfig()
+
+    @model_validator(mode="after")
+    def _outer_needs_a_period(self) -> JobSpec:
+        if self.outer_optimizer is not None and not (self.averaging_period_steps or self.averaging_period_s):
+            raise ValueError("outer_optimizer needs averaging_period_steps (H) or averaging_period_s")
+        return self
 
     @model_validator(mode="after")
     def _contiguous(self) -> JobSpec:

@@ -16,6 +16,11 @@ pairs: the partner's stream waits for it (up to the ring's step deadline).
 
 At the last step every stage runs one more round synchronously, holding its pipeline work, so the
 replicas end training with identical weights (and evaluation sees them).
+
+With the job's `outer_optimizer`, every periodic round is an outer-optimizer sync instead
+(`averaging/outer.py`: averaged pseudo-gradients, an outer Nesterov step on a shared anchor); the
+schedule, rings and delayed apply are the same; the closing round stays a plain average. Its state
+can move with the stage (`export_outer_state` / `import_outer_state`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ import torch
 from ravnest_p2p.averaging import (
     Averager,
     AveragerConfig,
+    OuterAverager,
+    OuterOptimizer,
+    OuterOptimizerConfig,
     RingAllReduce,
     RingConfig,
     RoundMetrics,
@@ -43,6 +51,7 @@ from ravnest_p2p.runtime.stage import StageExecutor
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import TaskOwner
+from ravnest_p2p.utils.aio import run_in_compute_thread
 
 __all__ = ["FINAL_ROUND", "ReplicaAverager", "shard_map_for", "stage_entries", "tensor_digests"]
 
@@ -104,6 +113,7 @@ class ReplicaAverager:
         final_step: int,
         period_s: float = 0.0,
         config: RingConfig | None = None,
+        outer: OuterOptimizerConfig | None = None,
     ) -> None:
         self.rings = RingAllReduce(rpc, config or RingConfig())
         self.executor = executor
@@ -111,13 +121,23 @@ class ReplicaAverager:
         self.period_steps = 0 if period_s > 0 else period_steps
         self.period_s = period_s
         self.final_step = final_step
-        self.averager = Averager(
-            # rounds are started here (`on_step`), not by the averager's own loop; its period is unused
-            AveragerConfig(period_steps=max(period_steps, 1)),
-            self.rings,
-            read=lambda: {**executor.parameters_by_name(), **executor.buffers_by_name()},
-            write=executor.assign_parameters,
-            shard_map=lambda: shard_map,
+        # rounds are started here (`on_step`), not by the averager's own loop; its period is unused
+        schedule = AveragerConfig(period_steps=max(period_steps, 1))
+        read = lambda: {**executor.parameters_by_name(), **executor.buffers_by_name()}  # noqa: E731
+        self.outer = None if outer is None else OuterOptimizer(outer, plain=executor.buffers_by_name())
+        self.averager = (
+            Averager(
+                schedule, self.rings, read=read, write=executor.assign_parameters, shard_map=lambda: shard_map
+            )
+            if self.outer is None
+            else OuterAverager(
+                schedule,
+                self.rings,
+                outer=self.outer,
+                read=read,
+                write=executor.assign_parameters,
+                shard_map=lambda: shard_map,
+            )
         )
         self._round: asyncio.Task[RoundMetrics | None] | None = None
         self._tasks = TaskOwner("replica-averager")
@@ -129,6 +149,9 @@ class ReplicaAverager:
     async def start(self) -> None:
         # before the first round: only this map's ring members may open early streams to us
         self.rings.expect(self.shard_map)
+        if self.outer is not None:  # the anchor: the weights training starts from (or imported ones)
+            params = self.executor.parameters_by_name
+            await run_in_compute_thread(lambda: self.outer.initialise(params()))  # type: ignore[union-attr]
         await self.rings.start()
         if self.period_s > 0:
             self._tasks.spawn(self._clock(), name="clock")
@@ -197,6 +220,21 @@ class ReplicaAverager:
     @property
     def bytes_sent(self) -> int:
         return sum(r.bytes_sent for r in self.rounds)
+
+    def export_outer_state(self) -> dict[str, torch.Tensor]:
+        """The outer optimizer's state by ``outer/<name>/<slot>`` (empty without one), for a re-plan."""
+        return {} if self.outer is None else self.outer.export_state()
+
+    def import_outer_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Take outer state exported by this layer range's previous owner(s); call before `start`.
+
+        Raises:
+            ValueError: no outer optimizer, or an entry does not fit (nothing changed).
+        """
+        if self.outer is None:
+            raise ValueError("this job has no outer optimizer")
+        shapes = {n: p.shape for n, p in self.executor.parameters_by_name().items()}
+        self.outer.import_state(tensors, shapes=shapes)
 
     async def aclose(self) -> None:
         await self._tasks.aclose()

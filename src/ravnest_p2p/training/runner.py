@@ -283,6 +283,7 @@ class StageRunner:
                 period_steps=job.averaging_period_steps,
                 period_s=job.averaging_period_s,
                 final_step=final_step,
+                outer=job.outer_optimizer,
             )
             await self.replicas.start()
             service.on_step = self.replicas.on_step

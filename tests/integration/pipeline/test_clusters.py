@@ -7,10 +7,11 @@ import asyncio
 import pytest
 import torch
 
+from ravnest_p2p.averaging import DeltaCompression, OuterAverager, OuterOptimizerConfig
 from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.training.job import JobSpec, StagePlacement
 from ravnest_p2p.training.local import local_hosts
-from ravnest_p2p.training.replicas import shard_map_for
+from ravnest_p2p.training.replicas import shard_map_for, tensor_digests
 from ravnest_p2p.training.runner import StageRunner, find_placement
 from ravnest_p2p.training.stages import load_dataset, steps_per_cluster
 from ravnest_p2p.transport import RpcEndpoint
@@ -111,3 +112,44 @@ async def test_without_periodic_rounds_only_the_final_round_runs():
         ]
         await asyncio.gather(*(r.run() for r in runners))
     assert all(r.replicas is not None and len(r.replicas.rounds) == 1 for r in runners)
+
+
+async def test_outer_optimizer_syncs_and_the_replicas_agree_after_the_final_round():
+    async with local_hosts(4) as transports:
+        peers = [t.peer_id for t in transports]
+        job = JobSpec(
+            job_id="outer",
+            model="digits_cnn",
+            dataset="digits",
+            batch_size=32,
+            max_steps=12,
+            averaging_period_steps=4,
+            outer_optimizer=OuterOptimizerConfig(compression=DeltaCompression.INT8),
+            assignment=(
+                (
+                    StagePlacement(peer_id=peers[0], first_layer=0, end_layer=2),
+                    StagePlacement(peer_id=peers[1], first_layer=2, end_layer=4),
+                ),
+                (
+                    StagePlacement(peer_id=peers[2], first_layer=0, end_layer=3),
+                    StagePlacement(peer_id=peers[3], first_layer=3, end_layer=4),
+                ),
+            ),
+        )
+        runners = [
+            StageRunner(RpcEndpoint(t, "job"), None, job, find_placement(job, t.peer_id)) for t in transports
+        ]
+        await asyncio.gather(*(r.run() for r in runners))
+    for runner in runners:
+        assert runner.replicas is not None
+        assert isinstance(runner.replicas.averager, OuterAverager)
+        assert len(runner.replicas.rounds) >= 2  # outer syncs, then the closing plain average
+        exported = runner.replicas.export_outer_state()
+        assert any(name.endswith("/residual") for name in exported)
+    by_cluster: list[dict[str, str]] = [{}, {}]
+    for runner in runners:
+        assert runner.service is not None
+        executor = runner.service.executor
+        tensors = {**executor.parameters_by_name(), **executor.buffers_by_name()}
+        by_cluster[runner.placement.cluster_index].update(tensor_digests(tensors))
+    assert by_cluster[0] == by_cluster[1]

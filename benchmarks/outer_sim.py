@@ -1,0 +1,179 @@
+"""Several cluster replicas in one process, synced by plain averaging or by the outer optimizer.
+
+The rings are simulated by plain means (the real ring averages exactly what it is given; the tests in
+tests/unit/averaging/test_outer.py check that over the in-memory rings). The outer syncs run the real
+`OuterOptimizer` of every replica (its own anchor, momentum and residuals), as the stage owners would.
+
+Bytes are per replica (what one cluster's owners upload per sync), for a ring over C clusters:
+- on the wire today: 2(C-1)/C x 4 bytes per element (the ring moves fp32; compressed Δ is sent decoded);
+- would be: the same ring moving the encoded Δ (int8/int4: 2(C-1)/C x encoded bytes, re-quantising sums
+  at each hop as INTELLECT-1 does); top-k sums are not sparse, so for it an all-gather: (C-1) x encoded.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from ravnest_p2p.averaging import DeltaCompression, OuterOptimizer, OuterOptimizerConfig
+from ravnest_p2p.training.data import load_char_corpus, load_digits
+
+__all__ = ["Method", "Problem", "Trace", "make_problem", "simulate"]
+
+CONTEXT = 8
+
+
+@dataclass(frozen=True)
+class Method:
+    """How replicas sync: every `period` inner steps, plainly (`outer` None) or by the outer optimizer."""
+
+    name: str
+    period: int
+    outer: OuterOptimizerConfig | None = None
+
+
+@dataclass
+class Problem:
+    model: nn.Module
+    train_x: Tensor
+    train_y: Tensor
+    val_x: Tensor
+    val_y: Tensor
+    batch_size: int
+    inner_lr: float
+
+
+@dataclass
+class Trace:
+    """Validation loss at sync points, with cumulative bytes per replica and tokens (samples) seen."""
+
+    steps: list[int] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)
+    wire_bytes: list[int] = field(default_factory=list)
+    would_be_bytes: list[int] = field(default_factory=list)
+    bytes_per_sync: int = 0
+    would_be_per_sync: int = 0
+
+
+def _char_problem(batch_size: int, hidden: int) -> Problem:
+    corpus = load_char_corpus()
+
+    def windows(ids: Tensor, limit: int | None) -> tuple[Tensor, Tensor]:
+        idx = torch.arange(len(ids) - CONTEXT)
+        if limit is not None:  # an evenly spaced subset of the validation text
+            idx = idx[:: max(1, len(idx) // limit)][:limit]
+        return ids[idx[:, None] + torch.arange(CONTEXT)], ids[idx + CONTEXT]
+
+    train_x, train_y = windows(corpus.train_ids, None)
+    val_x, val_y = windows(corpus.val_ids, 4096)
+    vocab = corpus.vocab_size
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(vocab, 16),
+        nn.Flatten(),
+        nn.Linear(16 * CONTEXT, hidden),
+        nn.GELU(),
+        nn.Linear(hidden, hidden),
+        nn.GELU(),
+        nn.Linear(hidden, vocab),
+    )
+    return Problem(model, train_x, train_y, val_x, val_y, batch_size, inner_lr=2e-3)
+
+
+def _digits_problem(batch_size: int, hidden: int) -> Problem:
+    train, val = load_digits()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+    return Problem(model, train.inputs, train.labels, val.inputs, val.labels, batch_size, inner_lr=1e-3)
+
+
+def make_problem(kind: Literal["char", "digits"], *, batch_size: int = 64, hidden: int = 256) -> Problem:
+    return _char_problem(batch_size, hidden) if kind == "char" else _digits_problem(batch_size, hidden)
+
+
+def _val_loss(model: nn.Module, problem: Problem) -> float:
+    with torch.no_grad():
+        return float(nn.functional.cross_entropy(model(problem.val_x), problem.val_y))
+
+
+def _ring_bytes(numel: int, method: Method, num_replicas: int) -> tuple[int, int]:
+    """(bytes on the wire today, bytes a compressed transport would move) per replica per sync."""
+    share = 2 * (num_replicas - 1) / num_replicas
+    wire = math.ceil(share * 4 * numel)
+    c = method.outer
+    if c is None or c.compression is DeltaCompression.NONE:
+        return wire, wire
+    from ravnest_p2p.averaging.pseudograd import encoded_bytes
+
+    encoded = encoded_bytes(numel, c.compression, chunk_numel=c.chunk_numel, topk_fraction=c.topk_fraction)
+    if c.compression is DeltaCompression.TOPK:
+        return wire, (num_replicas - 1) * encoded
+    return wire, math.ceil(share * encoded)
+
+
+def simulate(
+    problem: Problem, method: Method, *, num_replicas: int, num_steps: int, seed: int = 0, eval_every: int = 0
+) -> Trace:
+    """Train `num_replicas` replicas for `num_steps` inner steps each; evaluate after syncs.
+
+    Evaluation happens at the first sync at or after every `eval_every` steps (0: the period), on
+    replica 0 (after a sync all replicas hold the same values), and always at the end after a last sync.
+    """
+    models = [copy.deepcopy(problem.model) for _ in range(num_replicas)]
+    inner = [torch.optim.Adam(m.parameters(), lr=problem.inner_lr) for m in models]
+    gens = [torch.Generator().manual_seed(seed * 1000 + i) for i in range(num_replicas)]
+    outers = []
+    if method.outer is not None:
+        for m in models:
+            outer = OuterOptimizer(method.outer)
+            outer.initialise(dict(m.named_parameters()))
+            outers.append(outer)
+    numel = sum(p.numel() for p in problem.model.parameters())
+    per_sync, would_be = _ring_bytes(numel, method, num_replicas)
+    trace = Trace(bytes_per_sync=per_sync, would_be_per_sync=would_be)
+    eval_every = eval_every or method.period
+    syncs, next_eval = 0, eval_every
+    for step in range(1, num_steps + 1):
+        for model, opt, gen in zip(models, inner, gens, strict=True):
+            idx = torch.randint(len(problem.train_x), (problem.batch_size,), generator=gen)
+            loss = nn.functional.cross_entropy(model(problem.train_x[idx]), problem.train_y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        if step % method.period and step != num_steps:
+            continue
+        _sync(models, outers)
+        syncs += 1
+        if step >= next_eval or step == num_steps:
+            next_eval = (step // eval_every + 1) * eval_every
+            trace.steps.append(step)
+            trace.samples.append(step * problem.batch_size * num_replicas)
+            trace.val_loss.append(_val_loss(models[0], problem))
+            trace.wire_bytes.append(syncs * per_sync)
+            trace.would_be_bytes.append(syncs * would_be)
+    return trace
+
+
+@torch.no_grad()
+def _sync(models: list[nn.Module], outers: list[OuterOptimizer]) -> None:
+    named = [dict(m.named_parameters()) for m in models]
+    if outers:
+        proposals = [
+            o.outgoing({n: t.detach().clone() for n, t in p.items()})
+            for o, p in zip(outers, named, strict=True)
+        ]
+        mean = {n: torch.stack([p[n] for p in proposals]).mean(0) for n in proposals[0]}
+        for outer, params in zip(outers, named, strict=True):
+            for name, value in outer.step(mean).items():
+                params[name].copy_(value)
+    else:
+        mean = {n: torch.stack([p[n].detach() for p in named]).mean(0) for n in named[0]}
+        for params in named:
+            for name, value in mean.items():
+                params[name].copy_(value)

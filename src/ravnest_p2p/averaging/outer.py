@@ -1,0 +1,263 @@
+"""An outer optimizer across clusters (DiLoCo): average pseudo-gradients, step a shared anchor.
+
+Problem. Averaging the replicas' parameters every few steps (`overlap.py`) moves the whole model per
+round; across slow links the bytes, not the compute, set the pace. DiLoCo (Douillard et al., arXiv
+2311.08105) syncs every H inner steps and treats the replicas' drift as a gradient: each replica computes
+the pseudo-gradient Δ = θ_outer - θ_local, the replicas average it, and an outer SGD with Nesterov
+momentum (lr 0.7, momentum 0.9 in the paper) steps the shared anchor θ_outer; training continues from it.
+At H = 500 it matched synchronous training with ~500x less communication.
+
+How it maps here. Every stage owner keeps, for the floating parameters it owns, θ_outer, the momentum
+buffer and (with compression) the error-feedback residual (`OuterOptimizer`). A sync is one delayed
+averaging round (`Averager`, unchanged ring protocol) whose payload is the proposal
+P = θ_outer - Δ̂ instead of θ_local, where Δ̂ is Δ (+ residual) after compression (`pseudograd.py`);
+uncompressed, P is θ_local itself. The ring returns P̄ = θ_outer - mean(Δ̂) (θ_outer is the same at
+every replica), so Δ̄ = θ_outer - P̄, and the outer step is written relative to P̄:
+
+    buf ← μ·buf + Δ̄;   u = Δ̄ + μ·buf (Nesterov) or buf;   θ_outer ← P̄ + (Δ̄ - lr·u)
+
+which is θ_outer - lr·u. With lr = 1 and μ = 0 the correction is exactly zero and is not added, so the
+step *is* the ring's average, bit for bit: plain averaging (test). The new θ_outer is applied as delayed
+averaging applies θ̄: θ_local ← θ_outer + (θ_now - θ_snapshot). Every replica computes the step from the
+same P̄ and the same (θ_outer, buf), so their anchors stay bit-identical (test: equal digests).
+
+Why average P rather than Δ: it makes the lr = 1, μ = 0 case the existing average exactly (averaging Δ
+and subtracting from θ_outer rounds differently), and the ring's fp32 sum costs Δ̄ only ~1 ulp of θ.
+Do not combine the outer optimizer with the ring's own lossy `compression` (fp16 of P is ~1e-3 of θ,
+far more than a small Δ): compress Δ here instead.
+
+Buffers (BatchNorm statistics) are not parameters: they are averaged plainly (P = θ_local, θ ← P̄),
+never stepped with momentum (an overshoot could make a running variance negative).
+
+Faults (the rule the docs state). A shard whose ring did not average this round (this owner was alone:
+its partners died, or it was late) takes no outer step: θ_outer, momentum and residual stay as they
+were, and θ_local is not reset, so the progress it made is in its next Δ (applied at the next sync it
+joins). A ring that completed without some member applies the step of the members that completed; the
+member left out then holds an older anchor than the others. Its anchor re-converges (the difference
+contracts by ~0.5 per sync at lr 0.7, μ 0.9) but is not bit-identical again until a state transfer.
+The closing round (`wait_for_all`) is therefore a plain average of θ_local, as without an outer
+optimizer: the replicas end training identical.
+
+Re-plan. The state is keyed by global parameter name, like `training/stage_state.py`: `export_state`
+gives ``outer/<name>/<slot>`` tensors, `import_state` takes them (any subset; a new owner of some layers
+takes those layers' entries from their old owners). A name with no imported anchor starts from the
+stage's weights when the averager starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Mapping
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from ravnest_p2p.averaging.base import RoundMetrics
+from ravnest_p2p.averaging.overlap import Averager, AveragerConfig, ReadFn, WriteFn
+from ravnest_p2p.averaging.pseudograd import DeltaCompression, compress
+from ravnest_p2p.averaging.ring import RingAllReduce
+from ravnest_p2p.averaging.session import LinkRates
+from ravnest_p2p.averaging.shards import ShardMap
+from ravnest_p2p.utils.aio import run_in_compute_thread
+
+__all__ = ["OUTER_PREFIX", "OuterAverager", "OuterOptimizer", "OuterOptimizerConfig"]
+
+logger = logging.getLogger(__name__)
+
+OUTER_PREFIX = "outer/"
+_SLOTS = ("theta", "momentum", "residual")
+
+
+class OuterOptimizerConfig(BaseModel):
+    """The outer step and the pseudo-gradient's compression (the sync period is the job's).
+
+    Attributes:
+        lr: outer learning rate (DiLoCo: 0.7).
+        momentum: outer momentum (DiLoCo: 0.9); 0 disables the buffer.
+        nesterov: Nesterov momentum (DiLoCo) or classic heavy ball.
+        compression: ``none``, ``int8``, ``int4`` (per-chunk scale) or ``topk``.
+        chunk_numel: elements per quantisation scale.
+        topk_fraction: share of entries ``topk`` keeps.
+        error_feedback: keep what compression drops and add it to the next Δ.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    lr: float = Field(default=0.7, gt=0, le=10)
+    momentum: float = Field(default=0.9, ge=0, lt=1)
+    nesterov: bool = True
+    compression: DeltaCompression = DeltaCompression.NONE
+    chunk_numel: int = Field(default=1024, ge=8, le=1 << 24)
+    topk_fraction: float = Field(default=0.01, gt=0, le=1)
+    error_feedback: bool = True
+
+
+class OuterOptimizer:
+    """The outer state of one owner's parameters, and its two halves of a sync (pure, no I/O).
+
+    Args:
+        config: the outer step and compression.
+        plain: names averaged plainly (buffers): no anchor, no momentum, no compression.
+    """
+
+    def __init__(self, config: OuterOptimizerConfig, *, plain: Collection[str] = ()) -> None:
+        self.config = config
+        self.plain = frozenset(plain)
+        self.theta: dict[str, Tensor] = {}
+        self.momentum: dict[str, Tensor] = {}
+        self.residual: dict[str, Tensor] = {}
+        self._pending: dict[str, Tensor] = {}  # residuals of the sync in progress
+        self.payload_bytes = 0  # encoded size of the last sync's pseudo-gradients
+
+    def initialise(self, named: Mapping[str, Tensor]) -> None:
+        """Anchor every name that has none yet at its current value (the start of training)."""
+        for name, value in named.items():
+            if name not in self.plain and value.is_floating_point() and name not in self.theta:
+                self.theta[name] = value.detach().to(torch.float32).clone()
+
+    def outgoing(self, snapshot: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The proposals P = θ_outer - Δ̂ to average, one per name of `snapshot`."""
+        c = self.config
+        out: dict[str, Tensor] = {}
+        self._pending, self.payload_bytes = {}, 0
+        for name, local in snapshot.items():
+            if name in self.plain or not local.is_floating_point():
+                out[name] = local
+                self.payload_bytes += 4 * local.numel()
+                continue
+            if name not in self.theta:  # no anchor (e.g. not imported after a re-plan): Δ = 0 this time
+                logger.warning("outer optimizer: %s had no anchor; anchored at its current value", name)
+                self.theta[name] = local.detach().to(torch.float32).clone()
+            if c.compression is DeltaCompression.NONE:
+                out[name] = local
+                self.payload_bytes += 4 * local.numel()
+                continue
+            delta = self.theta[name] - local.detach().to(torch.float32)
+            if c.error_feedback and name in self.residual:
+                delta = delta + self.residual[name]
+            decoded, nbytes = compress(
+                delta, c.compression, chunk_numel=c.chunk_numel, topk_fraction=c.topk_fraction
+            )
+            self.payload_bytes += nbytes
+            if c.error_feedback:
+                self._pending[name] = delta - decoded
+            out[name] = (self.theta[name] - decoded).to(local.dtype)
+        return out
+
+    def step(self, averaged: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Apply the outer step to every averaged name; return the new values to continue from.
+
+        Names of the last `outgoing` that are not in `averaged` (their ring did not average) keep their
+        anchor, momentum and residual.
+        """
+        c = self.config
+        out: dict[str, Tensor] = {}
+        for name, mean in averaged.items():
+            if name in self.plain or name not in self.theta:
+                out[name] = mean
+                continue
+            p_bar = mean.to(torch.float32)
+            d_bar = self.theta[name] - p_bar
+            if c.momentum > 0:
+                buf = self.momentum.get(name)
+                buf = d_bar.clone() if buf is None else buf.mul_(c.momentum).add_(d_bar)
+                self.momentum[name] = buf
+                update = d_bar + c.momentum * buf if c.nesterov else buf
+            else:
+                update = d_bar
+            new = p_bar.clone()
+            if c.lr != 1 or c.momentum > 0:  # with lr 1, μ 0 the correction is 0: P̄ exactly
+                new.add_(d_bar - c.lr * update)
+            self.theta[name] = new
+            if name in self._pending:
+                self.residual[name] = self._pending[name]
+            out[name] = new.to(mean.dtype)
+        self._pending = {}
+        return out
+
+    # ----- moving with the stage state -----------------------------------------------------------
+    def export_state(self, names: Collection[str] | None = None) -> dict[str, Tensor]:
+        """Copies of the outer state as ``outer/<name>/<slot>`` (slots: theta, momentum, residual)."""
+        out = {}
+        for slot, table in zip(_SLOTS, (self.theta, self.momentum, self.residual), strict=True):
+            for name, value in table.items():
+                if names is None or name in names:
+                    out[f"{OUTER_PREFIX}{name}/{slot}"] = value.clone()
+        return out
+
+    def import_state(self, tensors: Mapping[str, Tensor], *, shapes: Mapping[str, torch.Size]) -> None:
+        """Take exported entries for names this owner holds (`shapes`: name → shape), all or nothing.
+
+        Raises:
+            ValueError: an entry is malformed, for a name not in `shapes`, of the wrong shape or dtype,
+                not finite, or a momentum/residual comes without its anchor.
+        """
+        parsed: dict[str, dict[str, Tensor]] = {slot: {} for slot in _SLOTS}
+        for key, value in tensors.items():
+            name, _, slot = key.removeprefix(OUTER_PREFIX).rpartition("/")
+            if not key.startswith(OUTER_PREFIX) or slot not in parsed or name not in shapes:
+                raise ValueError(f"{key[:256]!r} is not outer state of this owner")
+            if value.dtype != torch.float32 or value.shape != shapes[name]:
+                raise ValueError(f"{key}: {value.dtype}{tuple(value.shape)}, expected float32")
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"{key} has non-finite values")
+            parsed[slot][name] = value.detach().clone()
+        orphans = (set(parsed["momentum"]) | set(parsed["residual"])) - set(parsed["theta"])
+        if orphans:
+            raise ValueError(f"momentum or residual without an anchor: {sorted(orphans)[:3]}")
+        for name in parsed["theta"]:
+            self.momentum.pop(name, None)
+            self.residual.pop(name, None)
+        self.theta.update(parsed["theta"])
+        self.momentum.update(parsed["momentum"])
+        self.residual.update(parsed["residual"])
+
+
+class OuterAverager(Averager):
+    """`Averager` whose rounds are outer-optimizer syncs (same schedule, rings and delayed apply).
+
+    Args:
+        outer: this owner's outer state; anchor it (`OuterOptimizer.initialise`) before the first round.
+        (the rest as `Averager`.)
+    """
+
+    def __init__(
+        self,
+        config: AveragerConfig,
+        rings: RingAllReduce,
+        *,
+        outer: OuterOptimizer,
+        read: ReadFn,
+        write: WriteFn,
+        shard_map: Callable[[], ShardMap | None],
+        link_rates: Callable[[], LinkRates | None] | None = None,
+    ) -> None:
+        super().__init__(config, rings, read=read, write=write, shard_map=shard_map, link_rates=link_rates)
+        self.outer = outer
+        self._closing = False
+        self.payload_bytes: list[int] = []  # per round: the encoded pseudo-gradients' size
+
+    async def run_round(self, round_index: int, *, wait_for_all: bool = False) -> RoundMetrics | None:
+        """An outer sync; the closing round (`wait_for_all`) is a plain average of the replicas.
+
+        Why plain at the end: after it the replicas must agree, and an outer step depends on each
+        owner's anchor, which differs at a member a ring once left out; the ring's average does not.
+        """
+        self._closing = wait_for_all
+        try:
+            return await super().run_round(round_index, wait_for_all=wait_for_all)
+        finally:
+            self._closing = False
+
+    async def _outgoing(self, snapshot: dict[str, Tensor]) -> Mapping[str, Tensor]:
+        if self._closing:
+            return snapshot
+        out = await run_in_compute_thread(self.outer.outgoing, snapshot)
+        self.payload_bytes.append(self.outer.payload_bytes)
+        return out
+
+    async def _incoming(self, averaged: dict[str, Tensor]) -> dict[str, Tensor]:
+        if self._closing:
+            return averaged
+        return await run_in_compute_thread(self.outer.step, averaged)
