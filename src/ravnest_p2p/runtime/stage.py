@@ -461,7 +461,7 @@ class StageExecutor:
             self._last_param_grads = {}
             return None
         grads = torch.autograd.grad(output, wrt, grad_outputs=grad, allow_unused=True)
-        if not all(g is None or all_finite(g) for g in grads):
+        if not all(g is None or all_finite(g, remember=False) for g in grads):
             raise NonFiniteResult("a gradient computed from this micro-batch is not finite")
         param_grads = {
             n: g if g is not None else torch.zeros_like(stash.params[n])

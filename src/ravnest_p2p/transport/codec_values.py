@@ -88,8 +88,8 @@ def _remember(tensor: torch.Tensor, low: float, high: float, exact: bool) -> Non
     _PROOFS[key] = _Proof(ref, version, low, high, exact)
 
 
-def _exact(tensor: torch.Tensor) -> tuple[float, float] | None:
-    """(min, max) when every element is finite, else None; remembered."""
+def _exact(tensor: torch.Tensor, remember: bool) -> tuple[float, float] | None:
+    """(min, max) when every element is finite, else None."""
     if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_FLOATS:
         array = tensor.detach().numpy()  # min/max propagate NaN; numpy runs on this thread only
         low, high = float(array.min()), float(array.max())
@@ -100,14 +100,16 @@ def _exact(tensor: torch.Tensor) -> tuple[float, float] | None:
         low, high = float(tensor.min()), float(tensor.max())
     if not (math.isfinite(low) and math.isfinite(high)):
         return None
-    _remember(tensor, low, high, exact=True)
+    if remember:
+        _remember(tensor, low, high, exact=True)
     return low, high
 
 
-def within(tensor: torch.Tensor, max_abs: float | None = None) -> bool:
+def within(tensor: torch.Tensor, max_abs: float | None = None, *, remember: bool = True) -> bool:
     """True when every element of the float tensor is finite and (with ``max_abs``) within ``+-max_abs``.
 
-    At most one pass over the data per unmodified tensor (see the module docstring).
+    At most one pass over the data per unmodified tensor (see the module docstring). ``remember=False``
+    skips recording what was proved, for a tensor nobody checks again (a freshly computed gradient).
     """
     if tensor.numel() == 0:
         return True
@@ -124,7 +126,8 @@ def within(tensor: torch.Tensor, max_abs: float | None = None) -> bool:
             squares = float(np.dot(array, array))
         if math.isfinite(squares):
             bound = math.sqrt(squares) * _ROUNDING + _TINY
-            _remember(tensor, -bound, bound, exact=False)
+            if remember:
+                _remember(tensor, -bound, bound, exact=False)
             if bound <= limit:
                 return True
         # overflowed (maybe only the squares) or too loose to decide: the exact pass settles it
@@ -132,13 +135,13 @@ def within(tensor: torch.Tensor, max_abs: float | None = None) -> bool:
         return bool(torch.isfinite(tensor).all()) and (
             max_abs is None or bool((tensor.abs() <= max_abs).all())
         )
-    exact = _exact(tensor)
+    exact = _exact(tensor, remember)
     return exact is not None and -limit <= exact[0] and exact[1] <= limit
 
 
-def all_finite(tensor: torch.Tensor) -> bool:
+def all_finite(tensor: torch.Tensor, *, remember: bool = True) -> bool:
     """True when no element is NaN or inf (`within` without a bound)."""
-    return within(tensor)
+    return within(tensor, remember=remember)
 
 
 def int_range(tensor: torch.Tensor) -> tuple[int, int]:
