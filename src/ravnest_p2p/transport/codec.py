@@ -17,6 +17,9 @@ rest; the tensor then uses the received frame's memory (or one copy of immutable
 data goes from the tensor straight into the envelope (`encode_tensor_parts`). Anything else
 (compression, a buffer field that is not first or appears twice) takes hivemind's path, so both ends
 stay wire-compatible with it.
+
+Values: a decoded float tensor must be finite (`codec_values.within`: one pass, and what it proved is
+remembered, so the receiving handler's magnitude check of the same tensor does not read it again).
 """
 
 from __future__ import annotations
