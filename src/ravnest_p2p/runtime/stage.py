@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -51,7 +52,7 @@ from ravnest_p2p.models.spec import TensorSpec, make_loss
 from ravnest_p2p.runtime.config import LossResult, NonFiniteResult, PipelineFull, StageConfig
 from ravnest_p2p.runtime.optim import build_optimizer
 from ravnest_p2p.runtime.validation import check_matches, check_micro_batch_id, check_tensor
-from ravnest_p2p.transport.codec import all_finite
+from ravnest_p2p.transport.codec_values import all_finite
 
 __all__ = ["LossResult", "NonFiniteResult", "PipelineFull", "StageConfig", "StageExecutor"]
 
@@ -285,11 +286,12 @@ class StageExecutor:
         x_in = self._leaf_input(x)
         with torch.enable_grad():
             loss = self._loss_fn(self._call(stash.params, x_in), y.to(self.device))
-        if not all_finite(loss.detach()):
+        loss_value = float(loss.detach())  # the scalar is read once, for the check and the result
+        if not math.isfinite(loss_value):
             raise NonFiniteResult(f"loss of micro-batch {mb} is not finite")
         grad_input = self._backprop(loss, None, x_in, stash)
         self._after_backward()
-        return LossResult(loss=float(loss.detach()), grad_input=grad_input)
+        return LossResult(loss=loss_value, grad_input=grad_input)
 
     def validate_forward(
         self,
@@ -459,7 +461,7 @@ class StageExecutor:
             self._last_param_grads = {}
             return None
         grads = torch.autograd.grad(output, wrt, grad_outputs=grad, allow_unused=True)
-        if not all(g is None or all_finite(g) for g in grads):
+        if not all(g is None or all_finite(g, remember=False) for g in grads):
             raise NonFiniteResult("a gradient computed from this micro-batch is not finite")
         param_grads = {
             n: g if g is not None else torch.zeros_like(stash.params[n])

@@ -5,8 +5,8 @@ unknown micro-batch) reach autograd or the optimizer: it would either crash the 
 worse, silently poison the weights. Every failure is an `InvalidMessage`.
 
 Finite is not enough: activations of 1e30 are finite and overflow the next layer or the loss. With
-``max_abs`` a float tensor must also lie within ``[-max_abs, max_abs]``; one ``aminmax`` pass (no
-temporary copy) answers both questions, since NaN fails every comparison.
+``max_abs`` a float tensor must also lie within ``[-max_abs, max_abs]``; one pass answers both
+questions, and a tensor already checked on this hop is not read again (`transport.codec_values`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ravnest_p2p.errors import InvalidMessage
 from ravnest_p2p.models.spec import TensorSpec
-from ravnest_p2p.transport.codec import all_finite
+from ravnest_p2p.transport.codec_values import int_range, within
 
 __all__ = ["check_matches", "check_micro_batch_id", "check_tensor"]
 
@@ -28,28 +28,25 @@ def check_micro_batch_id(micro_batch_id: object) -> int:
     return micro_batch_id
 
 
-def _min_max(tensor: Tensor) -> tuple[float, float]:
-    # numpy on one thread, as `all_finite` does: torch's intra-op pool costs more than the work on a
-    # busy host, and this runs on the event loop for every message (two passes, no temporary)
-    if tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64, torch.float16):
-        array = tensor.detach().numpy()
-        return float(array.min()), float(array.max())
-    low, high = torch.aminmax(tensor.detach())
-    return float(low), float(high)
-
-
 def _check_values(tensor: Tensor, what: str, high: int | None, max_abs: float | None = None) -> None:
-    if tensor.is_floating_point() and max_abs is not None and tensor.numel() > 0:
-        low_value, high_value = _min_max(tensor)
-        if not (-max_abs <= low_value and high_value <= max_abs):  # NaN fails both comparisons
+    if tensor.is_floating_point() or tensor.is_complex():
+        # one pass per tensor per hop: a tensor already checked (when it was decoded, or by the
+        # handler before the executor) is not read again (`codec_values`)
+        if not within(tensor, max_abs):
+            if max_abs is None:
+                raise InvalidMessage(f"{what} contains NaN or inf")
+            low_value, high_value = _min_max(tensor)
             raise InvalidMessage(f"{what} has values in [{low_value}, {high_value}], beyond +-{max_abs:g}")
-    elif tensor.is_floating_point() or tensor.is_complex():
-        if not all_finite(tensor):
-            raise InvalidMessage(f"{what} contains NaN or inf")
     elif high is not None and tensor.numel() > 0:
-        low_value, high_value = int(tensor.min()), int(tensor.max())
+        low_value, high_value = int_range(tensor)
         if low_value < 0 or high_value >= high:
             raise InvalidMessage(f"{what} values must lie in [0, {high}), got [{low_value}, {high_value}]")
+
+
+def _min_max(tensor: Tensor) -> tuple[float, float]:
+    """For the refusal's message only (NaN shows as nan)."""
+    low, high = torch.aminmax(tensor.detach().reshape(-1).abs() if tensor.is_complex() else tensor.detach())
+    return float(low), float(high)
 
 
 def check_tensor(

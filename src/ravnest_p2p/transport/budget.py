@@ -24,7 +24,7 @@ from ravnest_p2p.transport.limits import WireLimits
 __all__ = ["InboundBudget", "Lease"]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Usage:
     slots: int = 0
     bytes: int = 0
@@ -32,6 +32,8 @@ class _Usage:
 
 class Lease:
     """One admitted inbound request: its slot, and the bytes it reserved. Release exactly once."""
+
+    __slots__ = ("_budget", "_released", "peer_id", "reserved_bytes")
 
     def __init__(self, budget: InboundBudget, peer_id: str) -> None:
         self._budget = budget
@@ -67,14 +69,17 @@ class InboundBudget:
 
     def admit(self, peer_id: str, size_bytes: int = 0) -> Lease | None:
         """A slot for a new request of `peer_id` (and `size_bytes` reserved), or None if over budget."""
-        usage = self._peers.get(peer_id, _Usage())
+        usage = self._peers.get(peer_id)
+        if usage is None:  # one record per peer with something in progress, made on its first request
+            usage = _Usage()
         if (
             usage.slots >= self.limits.max_inbound_per_peer
             or self._total.slots >= self.limits.max_inbound_total
         ):
             self.refused += 1
             return None
-        self._peers[peer_id] = usage
+        if usage.slots == 0:
+            self._peers[peer_id] = usage
         usage.slots += 1
         self._total.slots += 1
         lease = Lease(self, peer_id)
