@@ -12,6 +12,9 @@ reader, the plan board) must not see a single forged value.
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 from hivemind.dht.routing import DHTID
 
@@ -29,16 +32,27 @@ DIGEST = "ab" * 32
 
 
 async def _honest_values(peers, name: str) -> None:
-    """Each peer publishes a signed value under `name` (the run's normal traffic)."""
+    """Each peer publishes a signed value under `name` (the run's normal traffic).
+
+    A store is retried under a deadline: on a busy host one store can miss every replica's 3 s RPC
+    deadline; a store that keeps failing fails the test."""
     for i, peer in enumerate(peers):
         if name == "plan":
-            assert await DhtPlanBoard(peer.dht).publish(0, DIGEST, ttl_s=60)
+            await _stored(lambda peer=peer: DhtPlanBoard(peer.dht).publish(0, DIGEST, ttl_s=60))
         elif name == "metrics":
             m = StageMetrics(
                 job_id="j", peer_id=peer.peer_id, cluster=0, stage=i, num_stages=len(peers), step=1,
                 optimizer_steps=1, updated_at=dht_time(),
             )  # fmt: skip
-            assert await peer.dht.store_own(METRICS_KEY, m.model_dump(mode="json"), ttl_s=60)
+            value = m.model_dump(mode="json")
+            await _stored(lambda peer=peer, value=value: peer.dht.store_own(METRICS_KEY, value, ttl_s=60))
+
+
+async def _stored(store, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await store():
+        assert time.monotonic() < deadline, "an honest value could not be stored"
+        await asyncio.sleep(1.0)
 
 
 def _plain_values_held(peers, key_id: DHTID) -> int:

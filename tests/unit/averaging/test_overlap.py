@@ -64,8 +64,18 @@ async def test_round_applies_the_average_plus_the_local_progress_made_meanwhile(
     net.delay_s = 0.005
     expected_mean = mean_of(replicas)
 
+    snapshots = []
+    for p, averager in averagers.items():  # record each averager's snapshot once it is taken
+
+        def snapshot(names, take=averager._snapshot, p=p):
+            taken = take(names)
+            snapshots.append(p)
+            return taken
+
+        averager._snapshot = snapshot
+
     async def train_meanwhile():
-        await asyncio.sleep(0.01)  # the snapshot is taken; the ring is running
+        await wait_until(lambda: set(snapshots) == set(live), timeout_s=30)  # the rings are running now
         for params in live.values():
             for value in params.values():
                 value.add_(1.0)
