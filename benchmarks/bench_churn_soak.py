@@ -32,6 +32,7 @@ import json
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -135,19 +136,38 @@ def breakdown(churn: dict[str, Any], calm: dict[str, Any], *, duration_s: float)
     }
 
 
-def soak(*, duration_s: float, seed: int, workdir: Path, results_dir: Path) -> dict[str, Any]:
+def soak(
+    *, duration_s: float, seed: int, workdir: Path, results_dir: Path, sequential: bool = False
+) -> dict[str, Any]:
+    """The churn run and the undisturbed run, at the same time in two labs (or one after the other).
+
+    At the same time by default: this host is shared, and its load moved 2x between two sequential
+    runs (load average 14 vs 29 in a smoke run), which swamps the effect measured. Concurrent runs
+    meet the same load; the cost is a bias against the churn run (while it stalls, the undisturbed
+    run gets more of the CPU), so the fraction is, if anything, understated.
+    """
     events = churn_schedule(seed=seed, duration_s=duration_s)
-    print(f"churn run: {len(events)} events over {duration_s:.0f} s", flush=True)
-    churn_raw = run_in_lab(
-        workdir / "churn",
-        run_id="soak",
-        job=soak_job("soak"),
-        duration_s=duration_s,
-        events=events,
-        seed=seed,
-    )
-    print("undisturbed run", flush=True)
-    calm_raw = run_in_lab(workdir / "calm", run_id="soak", job=soak_job("soak"), duration_s=duration_s)
+    print(f"churn run: {len(events)} events over {duration_s:.0f} s; undisturbed run", flush=True)
+
+    def churn_run() -> dict[str, Any]:
+        return run_in_lab(
+            workdir / "churn",
+            run_id="soak",
+            job=soak_job("soak"),
+            duration_s=duration_s,
+            events=events,
+            seed=seed,
+        )
+
+    def calm_run() -> dict[str, Any]:
+        return run_in_lab(workdir / "calm", run_id="soakcalm", job=soak_job("soak"), duration_s=duration_s)
+
+    if sequential:
+        churn_raw, calm_raw = churn_run(), calm_run()
+    else:
+        with ThreadPoolExecutor(2) as pool:  # two blocking lab runs side by side
+            churn_future, calm_future = pool.submit(churn_run), pool.submit(calm_run)
+            churn_raw, calm_raw = churn_future.result(), calm_future.result()
     churn, calm = summarize(churn_raw, duration_s=duration_s), summarize(calm_raw, duration_s=duration_s)
     fraction = churn["useful_samples"] / calm["useful_samples"] if calm["useful_samples"] else float("nan")
     payload = {
@@ -155,6 +175,7 @@ def soak(*, duration_s: float, seed: int, workdir: Path, results_dir: Path) -> d
         "machine": machine_facts(),
         "duration_s": duration_s,
         "seed": seed,
+        "concurrent": not sequential,
         "num_peers": NUM_PEERS,
         "link_mbps": LINK_MBPS,
         "job": soak_job("soak").model_dump(mode="json"),
@@ -172,12 +193,10 @@ def soak(*, duration_s: float, seed: int, workdir: Path, results_dir: Path) -> d
 
 
 def kill_vs_undisturbed(*, max_steps: int, workdir: Path, results_dir: Path) -> dict[str, Any]:
-    runs = {}
-    for name, position in (("kill", int(0.4 * max_steps)), ("undisturbed", None)):
-        print(f"{name} run: {max_steps} micro-batches per cluster", flush=True)
+    def one(name: str, position: int | None) -> dict[str, Any]:
         raw = run_in_lab(
             workdir / name,
-            run_id="soakkill",
+            run_id=f"soak{name}",
             job=soak_job("soakkill", max_steps=max_steps),
             duration_s=0,
             kill_at_position=position,
@@ -188,7 +207,7 @@ def kill_vs_undisturbed(*, max_steps: int, workdir: Path, results_dir: Path) -> 
             batch_size=BATCH_SIZE,
             averaging_period_steps=AVERAGING_PERIOD_STEPS,
         )
-        runs[name] = {
+        return {
             "final_accuracy": _final_accuracy(raw["final"]),
             "useful_samples": acc["useful"],
             "trained_samples": acc["trained"],
@@ -198,6 +217,12 @@ def kill_vs_undisturbed(*, max_steps: int, workdir: Path, results_dir: Path) -> 
             "final_losses": [m["eval_loss"] for m in raw["final"] if m["stage"] == 0],
             "workdir": raw["workdir"],
         }
+
+    print(f"kill and undisturbed runs side by side: {max_steps} micro-batches a cluster", flush=True)
+    with ThreadPoolExecutor(2) as pool:
+        kill_future = pool.submit(one, "kill", int(0.4 * max_steps))
+        calm_future = pool.submit(one, "undisturbed", None)
+        runs = {"kill": kill_future.result(), "undisturbed": calm_future.result()}
     payload = {"benchmark": "kill_vs_undisturbed", "machine": machine_facts(), "max_steps": max_steps, **runs}
     write_kill_results(payload, results_dir)
     return payload
@@ -209,13 +234,20 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--part", choices=("soak", "kill", "all"), default="soak" if quick else "all")
     parser.add_argument("--kill-steps", type=int, default=1200, help="micro-batches a cluster (--part kill)")
+    parser.add_argument("--sequential", action="store_true", help="the undisturbed run after the churn run")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--workdir", type=Path, default=None, help="logs and timelines (default: a temp dir)")
     args = parser.parse_args(argv if argv is not None else [])
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix=f"churn-soak-{time.strftime('%H%M%S')}-"))
     print(f"logs and timelines under {workdir}", flush=True)
     if args.part in ("soak", "all"):
-        soak(duration_s=args.duration_s, seed=args.seed, workdir=workdir, results_dir=args.results_dir)
+        soak(
+            duration_s=args.duration_s,
+            seed=args.seed,
+            workdir=workdir,
+            results_dir=args.results_dir,
+            sequential=args.sequential,
+        )
     if args.part in ("kill", "all"):
         out = kill_vs_undisturbed(max_steps=args.kill_steps, workdir=workdir, results_dir=args.results_dir)
         print(json.dumps({k: out[k]["final_accuracy"] for k in ("kill", "undisturbed")}), flush=True)

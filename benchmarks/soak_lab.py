@@ -155,7 +155,7 @@ def run_in_lab(
                     leaving[i] = time.monotonic()
                 away.append(i)
             applied.append({"t": time.time(), "action": action, "peer": i, "peer_id": ids[i].peer_id})
-            print(f"  {time.strftime('%H:%M:%S')} {action} peer {i}", flush=True)
+            print(f"  {time.strftime('%H:%M:%S')} {run_id}: {action} peer {i}", flush=True)
 
         for i in range(NUM_PEERS):
             start(i)
@@ -179,7 +179,7 @@ def run_in_lab(
             lambda: started() is not None or driver.poll() is not None, 900, what="training", interval_s=1
         )
         t0 = started()
-        print(f"  training from {time.strftime('%H:%M:%S')}", flush=True)
+        print(f"  {time.strftime('%H:%M:%S')} {run_id}: training", flush=True)
         pending = list(events)
         next_load = 0.0
         while driver.poll() is None and t0 is not None:

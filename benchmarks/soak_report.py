@@ -75,7 +75,8 @@ def write_soak_results(payload: dict[str, Any], out_dir: Path) -> None:
         f"{payload['duration_s']:.0f} s from the first plan's start, churn on average every 60 s (seed "
         f"{payload['seed']}: leave by SIGKILL / SIGTERM alternating, then the peer rejoins with its "
         "identity), "
-        "then the same job undisturbed for the same wall time in a fresh lab. Samples in the model: the "
+        "and the same job undisturbed for the same wall time in a second lab "
+        f"({'at the same time' if payload.get('concurrent') else 'afterwards'}). Samples in the model: the "
         "progress records' positions per plan epoch and cluster, capped at the next plan's start, minus one "
         "averaging period per cluster whose replica was not carried over (docs/churn-soak.md). "
         "Plot: churn_soak.png.",
@@ -109,7 +110,7 @@ def write_kill_results(payload: dict[str, Any], out_dir: Path) -> None:
         "",
         "8 lab peers (2 clusters), the churn soak's digits job stopped at "
         f"{payload['max_steps']} micro-batches per cluster; once with a SIGKILL of cluster 1's last stage "
-        "at 40 % of it, once undisturbed (fresh lab each). final_accuracy: mean of the first stages' "
+        "at 40 % of it, once undisturbed (two labs side by side). final_accuracy: mean of the first stages' "
         "last held-out accuracy.",
         "",
         "| run | " + " | ".join(keys) + " | training again after s |",

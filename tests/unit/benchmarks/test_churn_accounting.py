@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from benchmarks.churn_accounting import churn_schedule, loss_points, stalled_s, useful_samples
@@ -24,14 +25,17 @@ def test_schedule_alternates_leave_and_join_and_kill_and_term():
     actions = [e.action for e in events]
     assert actions[:4] == ["kill", "join", "term", "join"]
     assert all(a == "join" for a in actions[1::2])
-    gaps = [b.at_s - a.at_s for a, b in zip(events, events[1:], strict=False)]
+    gaps = [b.at_s - a.at_s for a, b in itertools.pairwise(events)]
     assert all(30 <= g <= 90 for g in gaps)
     assert 50 < sum(gaps) / len(gaps) < 70
     assert churn_schedule(seed=3, duration_s=3600) == events  # seeded
 
 
 def test_undisturbed_counts_every_cluster_position():
-    polls = [poll(1, record(1, 0, 0, 10), record(1, 1, 0, 8)), poll(3, record(1, 0, 0, 20), record(1, 1, 0, 18))]
+    polls = [
+        poll(1, record(1, 0, 0, 10), record(1, 1, 0, 8)),
+        poll(3, record(1, 0, 0, 20), record(1, 1, 0, 18)),
+    ]
     acc = useful_samples(polls, until_t=10, batch_size=2, averaging_period_steps=8)
     assert acc["useful"] == acc["trained"] == (20 + 18) * 2
     assert acc["rolled_back"] == 0
