@@ -38,7 +38,8 @@ from typing import Any
 
 from benchmarks.churn_accounting import churn_schedule, loss_points, stalled_s, useful_curve, useful_samples
 from benchmarks.harness import RESULTS_DIR, machine_facts
-from benchmarks.soak_lab import LINK_MBPS, NUM_PEERS, run_in_lab
+from benchmarks.soak_lab import LINK_MBPS, NUM_PEERS, load_run, run_in_lab
+from benchmarks.soak_logs import phase_times, spurious_failures
 from benchmarks.soak_report import plot_soak, write_kill_results, write_soak_results
 from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.training.job import JobSpec
@@ -109,7 +110,17 @@ def summarize(result: dict[str, Any], *, duration_s: float) -> dict[str, Any]:
         "final_accuracy": _final_accuracy(result["final"]),
         "mean_loadavg": statistics.mean(result["loadavg"]) if result["loadavg"] else None,
         "epochs": acc["epochs"],
-        "events": recoveries(timeline, [{**e, "t_s": e["t"] - t0} for e in result["events"]]),
+        "spurious_failures": spurious_failures(
+            Path(result["workdir"]), [e["peer_id"] for e in result["events"]]
+        ),
+        "events": [
+            {**ev, **phases}
+            for ev, phases in zip(
+                recoveries(timeline, [{**e, "t_s": e["t"] - t0} for e in result["events"]]),
+                phase_times(Path(result["workdir"]), result["events"]),
+                strict=True,
+            )
+        ],
         "useful_curve": useful_curve(timeline, t0=t0, until_t=until_t, **kw),
         "loss": [(t, loss) for t, loss in loss_points(timeline, t0=t0) if t <= duration_s],
         "workdir": result["workdir"],
@@ -137,7 +148,13 @@ def breakdown(churn: dict[str, Any], calm: dict[str, Any], *, duration_s: float)
 
 
 def soak(
-    *, duration_s: float, seed: int, workdir: Path, results_dir: Path, sequential: bool = False
+    *,
+    duration_s: float,
+    seed: int,
+    workdir: Path,
+    results_dir: Path,
+    sequential: bool = False,
+    reuse: bool = False,
 ) -> dict[str, Any]:
     """The churn run and the undisturbed run, at the same time in two labs (or one after the other).
 
@@ -162,7 +179,9 @@ def soak(
     def calm_run() -> dict[str, Any]:
         return run_in_lab(workdir / "calm", run_id="soakcalm", job=soak_job("soak"), duration_s=duration_s)
 
-    if sequential:
+    if reuse:
+        churn_raw, calm_raw = load_run(workdir / "churn"), load_run(workdir / "calm")
+    elif sequential:
         churn_raw, calm_raw = churn_run(), calm_run()
     else:
         with ThreadPoolExecutor(2) as pool:  # two blocking lab runs side by side
@@ -235,6 +254,7 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
     parser.add_argument("--part", choices=("soak", "kill", "all"), default="soak" if quick else "all")
     parser.add_argument("--kill-steps", type=int, default=1200, help="micro-batches a cluster (--part kill)")
     parser.add_argument("--sequential", action="store_true", help="the undisturbed run after the churn run")
+    parser.add_argument("--reuse", action="store_true", help="recompute the results from --workdir's runs")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--workdir", type=Path, default=None, help="logs and timelines (default: a temp dir)")
     args = parser.parse_args(argv if argv is not None else [])
@@ -247,6 +267,7 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
             workdir=workdir,
             results_dir=args.results_dir,
             sequential=args.sequential,
+            reuse=args.reuse,
         )
     if args.part in ("kill", "all"):
         out = kill_vs_undisturbed(max_steps=args.kill_steps, workdir=workdir, results_dir=args.results_dir)

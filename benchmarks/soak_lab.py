@@ -30,7 +30,7 @@ from ravnest_p2p.swarm import poll_until
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.transport import load_or_create_identity
 
-__all__ = ["NUM_PEERS", "PEER_CONFIG", "read_timeline", "run_in_lab"]
+__all__ = ["NUM_PEERS", "PEER_CONFIG", "load_run", "read_timeline", "run_in_lab"]
 
 REPO = Path(__file__).resolve().parents[1]
 PORT = 31900
@@ -203,8 +203,13 @@ def run_in_lab(
             time.sleep(0.5)  # the churn schedule's clock; the driver's exit ends the loop
         if driver.wait() != 0 or t0 is None:
             raise RuntimeError(f"soak driver failed: {(workdir / 'driver.log').read_text()[-3000:]}")
-    result: dict[str, Any] = json.loads(out.read_text())
-    result.update(
-        timeline=read_timeline(timeline_path), events=applied, loadavg=loadavg, workdir=str(workdir)
-    )
+    (workdir / "run.json").write_text(json.dumps({"events": applied, "loadavg": loadavg}))
+    return load_run(workdir)
+
+
+def load_run(workdir: Path) -> dict[str, Any]:
+    """A finished run's record from its work directory (the driver's output, timeline, events applied)."""
+    result: dict[str, Any] = json.loads((workdir / "driver.json").read_text())
+    result.update(json.loads((workdir / "run.json").read_text()))
+    result.update(timeline=read_timeline(workdir / "timeline.jsonl"), workdir=str(workdir))
     return result

@@ -8,6 +8,7 @@ from typing import Any
 
 __all__ = ["plot_soak", "write_kill_results", "write_soak_results"]
 
+_PHASES = ("detected_s", "plan_active_s", "state_arrived_s", "resumed_s")
 _COLOURS = {"kill": "tab:red", "term": "tab:orange", "join": "tab:green"}
 
 
@@ -66,7 +67,7 @@ def write_soak_results(payload: dict[str, Any], out_dir: Path) -> None:
     churn, calm = payload["churn"], payload["undisturbed"]
     (out_dir / "churn_soak.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
     keys = ("useful_samples", "trained_samples", "rolled_back_samples", "plan_epochs", "stalled_s")
-    keys += ("final_accuracy", "mean_loadavg")
+    keys += ("spurious_failures", "final_accuracy", "mean_loadavg")
     lines = [
         "## churn_soak",
         "",
@@ -94,11 +95,18 @@ def write_soak_results(payload: dict[str, Any], out_dir: Path) -> None:
         "Shortfall, as fractions of the undisturbed samples (they add up to 1 - fraction): "
         + ", ".join(f"{k} {v:.3f}" for k, v in b.items()),
         "",
-        "| t_s | action | peer | training again after s |",
-        "|---|---|---|---|",
+        "spurious_failures: stage failures blaming a neighbour that never left (a starved peer answering "
+        "late). Per event, seconds from it to the first log line of each phase (peers' logs, whole "
+        "seconds) and to the first progress on a newer plan (the researcher's polls):",
+        "",
+        "| t_s | action | peer | " + " | ".join(_PHASES) + " | training again after s |",
+        "|---|---|---|" + "---|" * len(_PHASES) + "---|",
     ]
     for ev in churn["events"]:
-        lines.append(f"| {ev['t_s']:.0f} | {ev['action']} | {ev['peer']} | {_fmt(ev['training_again_s'])} |")
+        phases = " | ".join(_fmt(ev.get(k)) for k in _PHASES)
+        lines.append(
+            f"| {ev['t_s']:.0f} | {ev['action']} | {ev['peer']} | {phases} | {_fmt(ev['training_again_s'])} |"
+        )
     (out_dir / "churn_soak.md").write_text("\n".join(lines) + "\n")
 
 
