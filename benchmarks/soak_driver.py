@@ -11,7 +11,8 @@ then polls the job every `--poll-s` and appends what it saw to a JSON-lines time
 - ``{"kind": "window_end", "t": ...}``: t0 + `--duration-s` (only with a duration).
 
 With ``--duration-s D`` the owner stops the job at t0 + D; with 0 the job ends by itself (``max_steps``).
-Either way the driver then waits for the job's done metrics and writes them (JSON) to ``--out``.
+Either way the driver then waits for the job's done metrics (at most `--done-timeout-s`; then the
+newest metrics, with ``done: false``) and writes them (JSON) to ``--out``.
 
 Run as ``python -m benchmarks.soak_driver --initial-peers M.. --run-id R --num-peers N --job JSON
 --timeline FILE --out FILE [--duration-s D]`` from the repository root.
@@ -108,9 +109,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if time.monotonic() > hard_deadline:
                 raise TimeoutError(f"the job did not end within {args.max_run_s:.0f} s")
             await asyncio.sleep(max(0.0, args.poll_s - (time.monotonic() - started)))
-        final = await client.wait_for_job(job, timeout_s=300, poll_s=1.0)
+        done = True
+        try:
+            final = await client.wait_for_job(job, timeout_s=args.done_timeout_s, poll_s=1.0)
+        except TimeoutError:  # a swarm that cannot agree on a plan never finishes: report what it shows
+            done = False
+            final = newest_epoch(await client.metrics(job_id=job.job_id))
         note(await poll(client, job))
-    return {"t0": t0, "published_at": published_at, "final": [m.model_dump(mode="json") for m in final]}
+    return {
+        "t0": t0,
+        "published_at": published_at,
+        "done": done,
+        "final": [m.model_dump(mode="json") for m in final],
+    }
 
 
 def main() -> None:
@@ -123,6 +134,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--duration-s", type=float, default=0.0, help="stop the job at t0 + this (0: never)")
     parser.add_argument("--poll-s", type=float, default=2.0)
+    parser.add_argument("--done-timeout-s", type=float, default=240.0)
     parser.add_argument("--max-run-s", type=float, default=3600.0)
     args = parser.parse_args()
     Path(args.out).write_text(json.dumps(asyncio.run(run(args))))
