@@ -141,7 +141,12 @@ def run_in_lab(
                     return
                 i = away[0]
                 if i in leaving:  # still handing over: give it the rest of its grace
-                    poll_until(lambda: (reap(), i not in leaving)[1], TERM_GRACE_S + 35, what=f"peer {i}")
+
+                    def gone(i: int = i) -> bool:
+                        reap()
+                        return i not in leaving
+
+                    poll_until(gone, TERM_GRACE_S + 35, what=f"peer {i}")
                 away.remove(i)
                 start(i)
             else:

@@ -55,7 +55,7 @@ def phase_times(workdir: Path, events: Sequence[dict[str, Any]]) -> list[dict[st
         start = int(ev["t"])  # log stamps are whole seconds
         end = events[i + 1]["t"] if i + 1 < len(events) else float("inf")
         row: dict[str, Any] = {"action": ev["action"], "peer": ev["peer"]}
-        after = start
+        after: float = start
         for name, pattern in _PHASES.items():
             hit = next((t for t, text in lines if after <= t < end and pattern.search(text)), None)
             row[name] = None if hit is None else hit - start

@@ -67,7 +67,7 @@ def write_soak_results(payload: dict[str, Any], out_dir: Path) -> None:
     churn, calm = payload["churn"], payload["undisturbed"]
     (out_dir / "churn_soak.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
     keys = ("useful_samples", "trained_samples", "rolled_back_samples", "plan_epochs", "stalled_s")
-    keys += ("spurious_failures", "final_accuracy", "mean_loadavg")
+    keys = (*keys, "spurious_failures", "final_accuracy", "done", "mean_loadavg")
     lines = [
         "## churn_soak",
         "",
@@ -112,7 +112,7 @@ def write_soak_results(payload: dict[str, Any], out_dir: Path) -> None:
 
 def write_kill_results(payload: dict[str, Any], out_dir: Path) -> None:
     (out_dir / "kill_vs_undisturbed.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    keys = ("final_accuracy", "useful_samples", "trained_samples", "plan_epochs", "wall_s")
+    keys = ("final_accuracy", "done", "useful_samples", "trained_samples", "plan_epochs", "wall_s")
     lines = [
         "## kill_vs_undisturbed",
         "",
