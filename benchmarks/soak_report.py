@@ -66,8 +66,8 @@ def _fmt(value: Any) -> str:
 def write_soak_results(payload: dict[str, Any], out_dir: Path) -> None:
     churn, calm = payload["churn"], payload["undisturbed"]
     (out_dir / "churn_soak.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    keys = ("useful_samples", "trained_samples", "rolled_back_samples", "plan_epochs", "stalled_s")
-    keys = (*keys, "spurious_failures", "final_accuracy", "done", "mean_loadavg")
+    keys: tuple[str, ...] = ("useful_samples", "trained_samples", "rolled_back_samples", "plan_epochs")
+    keys += ("stalled_s", "spurious_failures", "final_accuracy", "done", "mean_loadavg")
     lines = [
         "## churn_soak",
         "",
