@@ -213,16 +213,19 @@ def soak(
 
 
 def kill_vs_undisturbed(
-    *, max_steps: int, workdir: Path, results_dir: Path, sequential: bool = False
+    *, max_steps: int, workdir: Path, results_dir: Path, sequential: bool = False, reuse: bool = False
 ) -> dict[str, Any]:
     def one(name: str, position: int | None) -> dict[str, Any]:
-        raw = run_in_lab(
-            workdir / name,
-            run_id=f"soak{name}",
-            job=soak_job("soakkill", max_steps=max_steps),
-            duration_s=0,
-            kill_at_position=position,
-        )
+        if reuse:
+            raw = load_run(workdir / name)
+        else:
+            raw = run_in_lab(
+                workdir / name,
+                run_id=f"soak{name}",
+                job=soak_job("soakkill", max_steps=max_steps),
+                duration_s=0,
+                kill_at_position=position,
+            )
         acc = useful_samples(
             raw["timeline"],
             until_t=float("inf"),
@@ -249,7 +252,13 @@ def kill_vs_undisturbed(
             kill_future = pool.submit(one, "kill", int(0.4 * max_steps))
             calm_future = pool.submit(one, "undisturbed", None)
             runs = {"kill": kill_future.result(), "undisturbed": calm_future.result()}
-    payload = {"benchmark": "kill_vs_undisturbed", "machine": machine_facts(), "max_steps": max_steps, **runs}
+    payload = {
+        "benchmark": "kill_vs_undisturbed",
+        "machine": machine_facts(),
+        "max_steps": max_steps,
+        "concurrent": not sequential,
+        **runs,
+    }
     write_kill_results(payload, results_dir)
     return payload
 
@@ -282,6 +291,7 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
             workdir=workdir,
             results_dir=args.results_dir,
             sequential=not args.concurrent,
+            reuse=args.reuse,
         )
         print(json.dumps({k: out[k]["final_accuracy"] for k in ("kill", "undisturbed")}), flush=True)
 

@@ -11,10 +11,11 @@ shows (`ProgressView.micro_batches`, `role_for`: ``data_start``), with the state
 plan moved, is rolled back: the next plan's weights do not hold it and its position does not count it.
 
 Samples that reached the final model (`useful_samples`), over the plan epochs e seen in the window, with
-S_e the epoch's start position, S_next the next epoch's start (the last epoch: no cap) and end_{e,c} the
-furthest position cluster c reported on epoch e before the window closed::
+S_next the next epoch's start (the last epoch: no cap), and for each run r of a cluster c on epoch e
+(a stage restarted on the same plan starts a new run, at the job's furthest position then) its start
+s_r and the furthest position end_r it reported before the window closed::
 
-    sum_e sum_c max(0, min(end_{e,c}, S_next) - S_e) * batch_size  -  tails
+    sum_e sum_c sum_r max(0, min(end_r, S_next) - s_r) * batch_size  -  tails
 
 Only one cluster's replica (the furthest, the one the next plan takes its state from) carries its work
 since the last averaging round into the next plan; every other cluster of an epoch that a re-plan ended
@@ -78,14 +79,27 @@ def churn_schedule(*, seed: int, duration_s: float, mean_interval_s: float = 60.
 
 @dataclass
 class EpochAccount:
-    """One plan epoch's clusters: start position, furthest position seen per cluster, members."""
+    """One plan epoch: its start position, each run's furthest position, members.
+
+    A cluster may run more than once on one epoch: the supervisor restarts a failed stage on the same
+    plan, at the job's furthest position then (`role_for`'s ``data_start``), which can be past where
+    this cluster got. Each (cluster, start) is one run; positions it skipped were never trained here.
+    """
 
     epoch: int
     start: int = 0
-    ends: dict[int, int] = field(default_factory=dict)
+    runs: dict[tuple[int, int], int] = field(default_factory=dict)  # (cluster, run start) -> furthest
     members: dict[int, set[str]] = field(default_factory=dict)
-    first_advance_t: float | None = None  # first poll showing a cluster past the start
-    last_advance_t: float | None = None  # last poll at which a cluster's position grew
+    first_advance_t: float | None = None  # first poll showing a cluster past its run's start
+    last_advance_t: float | None = None  # last poll at which a run's position grew
+
+    @property
+    def ends(self) -> dict[int, int]:
+        """Furthest position per cluster."""
+        out: dict[int, int] = {}
+        for (c, _), end in self.runs.items():
+            out[c] = max(out.get(c, 0), end)
+        return out
 
 
 def _epochs(polls: Sequence[Mapping[str, Any]], until_t: float) -> dict[int, EpochAccount]:
@@ -96,12 +110,13 @@ def _epochs(polls: Sequence[Mapping[str, Any]], until_t: float) -> dict[int, Epo
         for r in line["progress"]:
             acc = epochs.setdefault(r["epoch"], EpochAccount(r["epoch"], start=r["epoch_start"]))
             acc.start = min(acc.start, r["epoch_start"])
-            before = acc.ends.get(r["cluster"], r["epoch_start"])
+            run = (r["cluster"], r["epoch_start"])
+            before = acc.runs.get(run, r["epoch_start"])
             if r["micro_batches"] > before:
                 acc.last_advance_t = line["t"]
                 if acc.first_advance_t is None:
                     acc.first_advance_t = line["t"]
-            acc.ends[r["cluster"]] = max(before, r["micro_batches"])
+            acc.runs[run] = max(before, r["micro_batches"])
         for plan_epoch, cluster, _stage, peer_id in line.get("plan", []):
             if plan_epoch in epochs:
                 epochs[plan_epoch].members.setdefault(cluster, set()).add(peer_id)
@@ -115,8 +130,8 @@ def useful_samples(
 
     Returns:
         ``useful``: samples counted; ``trained``: samples any cluster reported feeding (every epoch,
-        every cluster, up to its furthest position); ``rolled_back``: trained - useful; ``epochs``: one
-        row per plan epoch (start, ends, counted micro-batches).
+        every cluster's runs, each up to its furthest position); ``rolled_back``: trained - useful;
+        ``epochs``: one row per plan epoch (start, ends, counted micro-batches).
     """
     epochs = _epochs(polls, until_t)
     order = sorted(epochs)
@@ -126,13 +141,14 @@ def useful_samples(
         acc = epochs[e]
         nxt = epochs[order[i + 1]] if i + 1 < len(order) else None
         cap = nxt.start if nxt is not None else None
-        counted = {
-            c: max(0, (end if cap is None else min(end, cap)) - acc.start) for c, end in acc.ends.items()
-        }
-        trained_mb += sum(max(0, end - acc.start) for end in acc.ends.values())
+        counted: dict[int, int] = {}
+        for (c, start), end in acc.runs.items():
+            counted[c] = counted.get(c, 0) + max(0, (end if cap is None else min(end, cap)) - start)
+            trained_mb += max(0, end - start)
         tails = 0
         if nxt is not None and counted:
-            furthest = min(acc.ends, key=lambda c: (-acc.ends[c], c))
+            ends = acc.ends
+            furthest = min(ends, key=lambda c: (-ends[c], c))
             survivors = set().union(*nxt.members.values()) if nxt.members else None
             for c, n in counted.items():
                 intact = survivors is None or acc.members.get(c, set()) <= survivors
@@ -144,6 +160,7 @@ def useful_samples(
                 "epoch": e,
                 "start": acc.start,
                 "ends": dict(sorted(acc.ends.items())),
+                "runs": sorted([c, start, end] for (c, start), end in acc.runs.items()),
                 "counted_micro_batches": sum(counted.values()) - tails,
                 "tails_deducted": tails,
                 "first_advance_t": acc.first_advance_t,

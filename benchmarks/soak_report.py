@@ -118,8 +118,9 @@ def write_kill_results(payload: dict[str, Any], out_dir: Path) -> None:
         "",
         "8 lab peers (2 clusters), the churn soak's digits job stopped at "
         f"{payload['max_steps']} micro-batches per cluster; once with a SIGKILL of cluster 1's last stage "
-        "at 40 % of it, once undisturbed (two labs side by side). final_accuracy: mean of the first stages' "
-        "last held-out accuracy.",
+        "at 40 % of it, once undisturbed "
+        f"({'two labs side by side' if payload.get('concurrent') else 'one after the other'}). "
+        "final_accuracy: mean of the first stages' last held-out accuracy.",
         "",
         "| run | " + " | ".join(keys) + " | training again after s |",
         "|---|" + "---|" * (len(keys) + 1),

@@ -76,3 +76,16 @@ def test_stalls_and_losses():
     evals = [{"epoch": 1, "cluster": 0, "step": 16, "eval_loss": 0.5, "eval_accuracy": 0.9}]
     lines = [{**poll(1), "evals": evals}, {**poll(3), "evals": evals}]
     assert loss_points(lines, t0=0) == [(1, 0.5)]
+
+
+def test_a_restart_on_the_same_plan_counts_only_what_each_run_trained():
+    # cluster 0 broke at 30, restarted on epoch 1 at the job's furthest position (50) and trained to 60
+    polls = [
+        poll(1, record(1, 0, 0, 30), record(1, 1, 0, 40)),
+        poll(2, record(1, 0, 0, 30), record(1, 1, 0, 50)),
+        poll(3, record(1, 0, 50, 50), record(1, 1, 0, 55)),
+        poll(4, record(1, 0, 50, 60), record(1, 1, 0, 58)),
+    ]
+    acc = useful_samples(polls, until_t=10, batch_size=1, averaging_period_steps=8)
+    assert acc["useful"] == acc["trained"] == 30 + 10 + 58
+    assert acc["epochs"][0]["runs"] == [[0, 0, 30], [0, 50, 60], [1, 0, 58]]
