@@ -1,0 +1,193 @@
+"""End to end: the swarm dashboard (`status --serve`) in headless Chromium against a training swarm.
+
+Four peer CLI processes on loopback (and a stock hivemind-dht bootstrap) agree on a plan and train a
+short digits job; the dashboard runs as its own process (`python -m ravnest_p2p.status --serve
+127.0.0.1:0`). Once its JSON shows the job training with a few points of history, Chromium (Debian's
+package) loads the page headless: the test asserts on the rendered DOM (one row per peer, the cluster
+table, the job id, a progress number, the plots) and keeps a screenshot. Skipped without Chromium.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from ravnest_p2p.client import RunClient
+from ravnest_p2p.runtime.optim import OptimizerConfig
+from ravnest_p2p.swarm import LocalSwarm
+from ravnest_p2p.training.job import JobSpec
+from tests.e2e._config import FAST_MEMBERSHIP_PEER_CONFIG
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+RUN_ID = "dash"
+NUM_PEERS = 4
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+class Dom(HTMLParser):
+    """The rendered DOM, flattened: text by element id, and the classes of every table row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text_by_id: dict[str, str] = {}
+        self.row_classes: list[str] = []
+        self.polylines = 0
+        self._open: list[str | None] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attr = dict(attrs)
+        if tag == "tr":
+            self.row_classes.append(attr.get("class") or "")
+        if tag == "polyline":
+            self.polylines += 1
+        if tag not in ("br", "meta", "line", "polyline", "link", "img", "input"):
+            self._open.append(attr.get("id"))
+            if attr.get("id"):
+                self.text_by_id.setdefault(attr["id"] or "", "")
+
+    def handle_endtag(self, tag: str) -> None:
+        if self._open and tag not in ("br", "meta", "line", "polyline", "link", "img", "input"):
+            self._open.pop()
+
+    def handle_data(self, data: str) -> None:
+        for element_id in self._open:
+            if element_id:
+                self.text_by_id[element_id] += data
+
+
+async def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 1.0):
+    """Poll a blocking `predicate` off the event loop (the client's DHT keeps running) until truthy."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await asyncio.to_thread(predicate)
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        await asyncio.sleep(interval_s)
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def chromium(*args: str, profile: Path) -> subprocess.CompletedProcess[str]:
+    assert CHROMIUM is not None
+    argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+    argv += [f"--user-data-dir={profile}", "--no-first-run", "--virtual-time-budget=6000", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+async def test_dashboard_in_headless_chromium_against_a_training_swarm(tmp_path: Path):
+    config = tmp_path / "peer.toml"
+    config.write_text(FAST_MEMBERSHIP_PEER_CONFIG)
+    (tmp_path / "swarm").mkdir()
+    job = JobSpec(
+        job_id="dash-digits",
+        model="digits_cnn",
+        dataset="digits",
+        batch_size=32,
+        until_stopped=True,
+        max_steps=4000,
+        min_stages=2,
+        eval_every_steps=16,
+        averaging_period_steps=8,
+        optimizer=OptimizerConfig(name="adam", lr=2e-3),
+    )
+    with LocalSwarm(
+        NUM_PEERS,
+        run_id=RUN_ID,
+        bootstrap="hivemind-dht",
+        peer_args=["--config", str(config)],
+        workdir=tmp_path / "swarm",
+    ) as swarm:
+        async with await RunClient.connect(swarm.initial_peers, RUN_ID) as client:
+            await client.wait_for_peers(NUM_PEERS, timeout_s=90, measured=False)
+            await client.publish_job(job)
+
+            log_path = tmp_path / "dashboard.log"
+            with log_path.open("wb") as log:
+                dashboard = subprocess.Popen(
+                    [sys.executable, "-m", "ravnest_p2p.status", "--initial-peers", *swarm.initial_peers]
+                    + ["--run-id", RUN_ID, "--serve", "127.0.0.1:0"],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    start_new_session=True,
+                )
+            try:
+                url = await wait_for(
+                    lambda: (m := re.search(r"on (http://\S+)", log_path.read_text())) and m.group(1),
+                    60,
+                    "the dashboard's URL",
+                )
+
+                def training() -> dict | None:
+                    state = get_json(url + "api/state")
+                    job_state = state.get("job")
+                    history = state.get("history", {})
+                    points = [p for series in history.values() for p in series if p["loss"] is not None]
+                    enough = (
+                        len(state["peers"]) == NUM_PEERS
+                        and state["plan"]["clusters"]
+                        and job_state is not None
+                        and job_state["clusters"]
+                        and len(points) >= 3
+                    )
+                    return state if enough else None
+
+                state = await wait_for(training, 240, "the dashboard to show the job training")
+
+                shot = tmp_path / "dashboard.png"
+                dumped = await asyncio.to_thread(
+                    chromium, "--dump-dom", url, profile=tmp_path / "profile-dom"
+                )
+                assert dumped.returncode == 0, dumped.stderr[-2000:]
+                taken = await asyncio.to_thread(
+                    chromium,
+                    f"--screenshot={shot}",
+                    "--window-size=1280,1400",
+                    url,
+                    profile=tmp_path / "profile-shot",
+                )
+                assert taken.returncode == 0, taken.stderr[-2000:]
+                assert shot.stat().st_size > 10_000
+                if os.environ.get("RAVNEST_WRITE_RESULTS") == "1":
+                    RESULTS.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(shot, RESULTS / "dashboard.png")
+            finally:
+                dashboard.terminate()
+                assert dashboard.wait(30) == 0, log_path.read_text()[-2000:]
+            await client.stop_job(job.job_id)
+
+    dom = Dom()
+    dom.feed(dumped.stdout)
+    text = dom.text_by_id
+    assert text["run-id"] == RUN_ID
+    assert text["job-id"] == job.job_id
+    assert dom.row_classes.count("peer-row") == NUM_PEERS
+    num_clusters = len(state["plan"]["clusters"])
+    assert dom.row_classes.count("cluster-row") == num_clusters >= 1
+    assert dom.row_classes.count("job-cluster-row") >= 1
+    assert dom.row_classes.count("averaging-row") >= 2
+    assert int(text["job-progress"]) > 0
+    assert text["num-peers"] == str(NUM_PEERS)
+    assert "agree on plan" in text["plan-agree"]
+    assert dom.polylines >= 2  # a loss and a samples/s line at least
+    assert text["error"] == ""
+    assert "Traceback" not in log_path.read_text()
