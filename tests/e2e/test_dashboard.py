@@ -24,12 +24,11 @@ from pathlib import Path
 import pytest
 
 from ravnest_p2p.client import RunClient
+from ravnest_p2p.dashboard import DashboardServer
 from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.swarm import LocalSwarm
 from ravnest_p2p.training.job import JobSpec
 from tests.e2e._config import FAST_MEMBERSHIP_PEER_CONFIG
-
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 RUN_ID = "dash"
 NUM_PEERS = 4
@@ -92,6 +91,8 @@ def chromium(*args: str, profile: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(420)
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
 async def test_dashboard_in_headless_chromium_against_a_training_swarm(tmp_path: Path):
     config = tmp_path / "peer.toml"
@@ -191,3 +192,73 @@ async def test_dashboard_in_headless_chromium_against_a_training_swarm(tmp_path:
     assert dom.polylines >= 2  # a loss and a samples/s line at least
     assert text["error"] == ""
     assert "Traceback" not in log_path.read_text()
+
+
+HOSTILE = '<img src=x onerror="document.title=1"><b id="pwned">x</b>'
+
+
+def hostile_snapshot() -> dict:
+    """A snapshot as strangers could shape it: every free-text field carries markup."""
+    peer = {
+        "peer_id": "QmHostile" + "h" * 20,
+        "state": "ready",
+        "client": False,
+        "device": HOSTILE,
+        "version": HOSTILE,
+        "gflops": 1.0,
+        "mem_gb": 1.0,
+        "up_mbps": 1.0,
+        "down_mbps": 1.0,
+        "rtt_ms": None,
+        "epoch": 1,
+        "cluster": 0,
+        "stage": 0,
+        "age_s": 1.0,
+    }
+    job = {
+        "job_id": HOSTILE,
+        "model": HOSTILE,
+        "dataset": "digits",
+        "mode": "pipeline",
+        "batch_size": 32,
+        "max_steps": None,
+        "done": False,
+        "ended": True,
+        "reason": HOSTILE,
+        "micro_batches": 5,
+        "optimizer_steps": 1,
+        "train_wall_s": 1.0,
+        "epoch": 1,
+        "clusters": [],
+    }
+    plan = {"epoch": 1, "digest": HOSTILE, "agree": 1, "published": 1, "clusters": []}
+    averaging = {"min_rounds": 0, "max_rounds": 0, "slowest_round_s": None, "min_participants": None}
+    return {
+        "run_id": HOSTILE,
+        "time": 1.0,
+        "reads": 1,
+        "num_peers": 1,
+        "peers": [peer],
+        "plan": plan,
+        "job": job,
+        "stages": [],
+        "averaging": {**averaging, "mb_sent": 0.0},
+        "history": {"0": [{"t": 0, "step": 1, "loss_step": 1, "loss": 1.0, "samples_per_s": 1.0}]},
+        "error": HOSTILE,
+    }
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+async def test_markup_from_the_dht_is_shown_as_text_in_chromium(tmp_path: Path):
+    async with DashboardServer(hostile_snapshot, "127.0.0.1", 0) as server:
+        dumped = await asyncio.to_thread(chromium, "--dump-dom", server.url, profile=tmp_path / "profile")
+    assert dumped.returncode == 0, dumped.stderr[-2000:]
+    dom = Dom()
+    dom.feed(dumped.stdout)
+    assert dom.text_by_id["job-id"] == HOSTILE  # rendered, as text
+    assert dom.text_by_id["run-id"] == HOSTILE
+    assert "pwned" not in dom.text_by_id  # no element was made from the strings
+    assert "<img" not in dumped.stdout
+    assert "&lt;img" in dumped.stdout
+    assert dom.row_classes.count("peer-row") == 1

@@ -1,5 +1,5 @@
 // The dashboard page: polls /api/state every 2 s and renders it. Every string in the snapshot comes
-X
+// from strangers' DHT records, so text is only ever set with textContent (never parsed as HTML), and SVG
 // attributes get numbers only.
 "use strict";
 
