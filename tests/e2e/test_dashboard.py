@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -28,43 +27,19 @@ from ravnest_p2p.dashboard import DashboardServer
 from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.swarm import LocalSwarm
 from ravnest_p2p.training.job import JobSpec
+from tests.e2e._browser import (
+    CHROMIUM,
+    SKIP_REASON,
+    assert_swarm_page,
+    chromium_argv,
+    parse_dom,
+    shows_training,
+)
 from tests.e2e._config import FAST_MEMBERSHIP_PEER_CONFIG
 
 RUN_ID = "dash"
 NUM_PEERS = 4
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-
-
-class Dom(HTMLParser):
-    """The rendered DOM, flattened: text by element id, and the classes of every table row."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.text_by_id: dict[str, str] = {}
-        self.row_classes: list[str] = []
-        self.polylines = 0
-        self._open: list[str | None] = []
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        attr = dict(attrs)
-        if tag == "tr":
-            self.row_classes.append(attr.get("class") or "")
-        if tag == "polyline":
-            self.polylines += 1
-        if tag not in ("br", "meta", "line", "polyline", "link", "img", "input"):
-            self._open.append(attr.get("id"))
-            if attr.get("id"):
-                self.text_by_id.setdefault(attr["id"] or "", "")
-
-    def handle_endtag(self, tag: str) -> None:
-        if self._open and tag not in ("br", "meta", "line", "polyline", "link", "img", "input"):
-            self._open.pop()
-
-    def handle_data(self, data: str) -> None:
-        for element_id in self._open:
-            if element_id:
-                self.text_by_id[element_id] += data
 
 
 async def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 1.0):
@@ -85,15 +60,13 @@ def get_json(url: str) -> dict:
 
 
 def chromium(*args: str, profile: Path) -> subprocess.CompletedProcess[str]:
-    assert CHROMIUM is not None
-    argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
-    argv += [f"--user-data-dir={profile}", "--no-first-run", "--virtual-time-budget=6000", *args]
+    argv = chromium_argv(*args, profile=profile)
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+@pytest.mark.skipif(CHROMIUM is None, reason=SKIP_REASON)
 async def test_dashboard_in_headless_chromium_against_a_training_swarm(tmp_path: Path):
     config = tmp_path / "peer.toml"
     config.write_text(FAST_MEMBERSHIP_PEER_CONFIG)
@@ -140,17 +113,7 @@ async def test_dashboard_in_headless_chromium_against_a_training_swarm(tmp_path:
 
                 def training() -> dict | None:
                     state = get_json(url + "api/state")
-                    job_state = state.get("job")
-                    history = state.get("history", {})
-                    points = [p for series in history.values() for p in series if p["loss"] is not None]
-                    enough = (
-                        len(state["peers"]) == NUM_PEERS
-                        and state["plan"]["clusters"]
-                        and job_state is not None
-                        and job_state["clusters"]
-                        and len(points) >= 3
-                    )
-                    return state if enough else None
+                    return state if shows_training(state, num_peers=NUM_PEERS) else None
 
                 state = await wait_for(training, 240, "the dashboard to show the job training")
 
@@ -176,21 +139,9 @@ async def test_dashboard_in_headless_chromium_against_a_training_swarm(tmp_path:
                 assert dashboard.wait(30) == 0, log_path.read_text()[-2000:]
             await client.stop_job(job.job_id)
 
-    dom = Dom()
-    dom.feed(dumped.stdout)
-    text = dom.text_by_id
-    assert text["run-id"] == RUN_ID
-    assert text["job-id"] == job.job_id
-    assert dom.row_classes.count("peer-row") == NUM_PEERS
+    dom = parse_dom(dumped.stdout)
     num_clusters = len(state["plan"]["clusters"])
-    assert dom.row_classes.count("cluster-row") == num_clusters >= 1
-    assert dom.row_classes.count("job-cluster-row") >= 1
-    assert dom.row_classes.count("averaging-row") >= 2
-    assert int(text["job-progress"]) > 0
-    assert text["num-peers"] == str(NUM_PEERS)
-    assert "agree on plan" in text["plan-agree"]
-    assert dom.polylines >= 2  # a loss and a samples/s line at least
-    assert text["error"] == ""
+    assert_swarm_page(dom, run_id=RUN_ID, job_id=job.job_id, num_peers=NUM_PEERS, num_clusters=num_clusters)
     assert "Traceback" not in log_path.read_text()
 
 
@@ -249,13 +200,12 @@ def hostile_snapshot() -> dict:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+@pytest.mark.skipif(CHROMIUM is None, reason=SKIP_REASON)
 async def test_markup_from_the_dht_is_shown_as_text_in_chromium(tmp_path: Path):
     async with DashboardServer(hostile_snapshot, "127.0.0.1", 0) as server:
         dumped = await asyncio.to_thread(chromium, "--dump-dom", server.url, profile=tmp_path / "profile")
     assert dumped.returncode == 0, dumped.stderr[-2000:]
-    dom = Dom()
-    dom.feed(dumped.stdout)
+    dom = parse_dom(dumped.stdout)
     assert dom.text_by_id["job-id"] == HOSTILE  # rendered, as text
     assert dom.text_by_id["run-id"] == HOSTILE
     assert "pwned" not in dom.text_by_id  # no element was made from the strings
