@@ -182,6 +182,9 @@ def hostile_snapshot() -> dict:
         "epoch": 1,
         "clusters": [],
     }
+    stage_row = {"cluster": 0, "stage": 0, "peer_id": peer["peer_id"], "averaging_rounds": 1}
+    stage_row |= {"last_round": 1, "last_round_s": 0.5, "last_round_participants": 2}
+    stage_row |= {"averaging_mb_sent": 0.1, "age_s": 1.0, "done": False, "failed": HOSTILE}
     plan = {"epoch": 1, "digest": HOSTILE, "agree": 1, "published": 1, "clusters": []}
     averaging = {"min_rounds": 0, "max_rounds": 0, "slowest_round_s": None, "min_participants": None}
     return {
@@ -192,7 +195,7 @@ def hostile_snapshot() -> dict:
         "peers": [peer],
         "plan": plan,
         "job": job,
-        "stages": [],
+        "stages": [stage_row],
         "averaging": {**averaging, "mb_sent": 0.0},
         "history": {"0": [{"t": 0, "step": 1, "loss_step": 1, "loss": 1.0, "samples_per_s": 1.0}]},
         "error": HOSTILE,
@@ -212,3 +215,5 @@ async def test_markup_from_the_dht_is_shown_as_text_in_chromium(tmp_path: Path):
     assert "<img" not in dumped.stdout
     assert "&lt;img" in dumped.stdout
     assert dom.row_classes.count("peer-row") == 1
+    assert dom.row_classes.count("averaging-row") == 1
+    assert f"failed: {HOSTILE}" in dom.text_by_id["averaging"]

@@ -12,56 +12,12 @@ import pytest
 from ravnest_p2p.dashboard import DashboardServer, check_bind, parse_bind
 from ravnest_p2p.dashboard.server import MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES
 from ravnest_p2p.dashboard.state import MAX_PEERS, MAX_POINTS, History, build_state
-from ravnest_p2p.discovery import PeerRecord
 from ravnest_p2p.status import main as status_main
 from ravnest_p2p.training.job import JobSpec
-from ravnest_p2p.training.metrics import StageMetrics
 from ravnest_p2p.training.progress import ProgressView
+from tests.unit.dashboard._fakes import peer, stage
 
 HOSTILE = "<img src=x onerror=alert(1)>"
-
-
-def pid(i: int) -> str:
-    return "QmP" + "".join("abcdefghij"[int(d)] for d in str(i)) + "p" * 20
-
-
-def peer(i: int, *, cluster: int | None = None, stage: int | None = None, device: str = "cpu") -> PeerRecord:
-    return PeerRecord(
-        peer_id=pid(i),
-        flops=2.5e9,
-        free_memory_bytes=3 * 2**30,
-        upload_mbps=100.0,
-        download_mbps=200.0,
-        rtt_ms=1.25,
-        state="ready",
-        epoch=3,
-        cluster=cluster,
-        stage=stage,
-        device=device,
-        updated_at=990.0,
-    )
-
-
-def stage(cluster: int, stage_index: int, *, step: int, loss: float | None, rounds: int) -> StageMetrics:
-    return StageMetrics(
-        job_id="j1",
-        peer_id=pid(cluster * 2 + stage_index),
-        epoch=3,
-        cluster=cluster,
-        stage=stage_index,
-        num_stages=2,
-        step=step,
-        optimizer_steps=step // 4,
-        loss=loss,
-        samples_per_s=640.0,
-        averaging_rounds=rounds,
-        last_round_s=0.4 + cluster,
-        last_round=rounds,
-        last_round_participants=2,
-        averaging_bytes_sent=5_000_000,
-        eval_accuracy=0.9 if stage_index == 0 else None,
-        updated_at=995.0,
-    )
 
 
 def snapshot(history: History | None = None, *, device: str = "cpu") -> dict:

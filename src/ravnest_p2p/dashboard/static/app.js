@@ -91,6 +91,8 @@ function renderAveraging(avg, stages) {
     cell(tr, s.cluster); cell(tr, s.stage); cell(tr, short(s.peer_id), "l"); cell(tr, s.averaging_rounds);
     cell(tr, s.last_round); cell(tr, num(s.last_round_s, 2)); cell(tr, s.last_round_participants);
     cell(tr, num(s.averaging_mb_sent, 1)); cell(tr, num(s.age_s, 0));
+    const state = cell(tr, s.failed ? "failed: " + s.failed : s.done ? "done" : "training", "l");
+    if (s.failed) state.classList.add("err");
   });
 }
 
