@@ -3,6 +3,9 @@
 Who owns a run is what its peers enforce: each peer's signed record names the owner whose jobs it
 trains (``--run-owner`` of the peer), or none (an open run: anyone's job is trained). With
 ``--run-owner`` the tool also says how many peers enforce a different owner, or none.
+
+With ``--serve HOST:PORT`` it serves a live dashboard page of the run instead (`ravnest_p2p.dashboard`,
+docs/dashboard.md): loopback addresses only, unless ``--serve-public`` is given.
 """
 
 from __future__ import annotations

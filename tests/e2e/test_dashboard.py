@@ -133,7 +133,7 @@ async def test_dashboard_in_headless_chromium_against_a_training_swarm(tmp_path:
                 assert shot.stat().st_size > 10_000
                 if os.environ.get("RAVNEST_WRITE_RESULTS") == "1":
                     RESULTS.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(shot, RESULTS / "dashboard.png")
+                    shutil.copyfile(shot, RESULTS / "dashboard_loopback.png")
             finally:
                 dashboard.terminate()
                 assert dashboard.wait(30) == 0, log_path.read_text()[-2000:]
