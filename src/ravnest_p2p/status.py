@@ -3,10 +3,14 @@
 Who owns a run is what its peers enforce: each peer's signed record names the owner whose jobs it
 trains (``--run-owner`` of the peer), or none (an open run: anyone's job is trained). With
 ``--run-owner`` the tool also says how many peers enforce a different owner, or none.
+
+With ``--serve HOST:PORT`` it serves a live dashboard page of the run instead (`ravnest_p2p.dashboard`,
+docs/dashboard.md): loopback addresses only, unless ``--serve-public`` is given.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -124,10 +128,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--run-id", help="the run to list (default: 'default', as for peers)")
     parser.add_argument("--run-owner", metavar="PEER_ID", help="the owner's peer id the peers should enforce")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--serve", metavar="HOST:PORT", help="serve a live dashboard page there instead")
+    parser.add_argument("--serve-public", action="store_true", help="allow --serve on a non-loopback address")
     args = parser.parse_args(argv)
 
     run_id: str = args.run_id or "default"
     initial_peers: list[str] = args.initial_peers
+    if args.serve is not None:
+        return _serve(args, initial_peers, run_id)
 
     async def run() -> int:
         try:
@@ -157,6 +165,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     return run_loop(run())
+
+
+def _serve(args: argparse.Namespace, initial_peers: list[str], run_id: str) -> int:
+    from ravnest_p2p.dashboard import check_bind, parse_bind, serve_dashboard
+
+    try:
+        host, port = parse_bind(args.serve)
+        check_bind(host, public=args.serve_public)
+    except ValueError as exc:
+        fail(str(exc), code=2, prog=PROG)
+    try:
+        serving = serve_dashboard(initial_peers, run_id, host=host, port=port, run_owner=args.run_owner)
+        return run_loop(serving)
+    except (RavnestError, OSError) as exc:
+        fail(str(exc), prog=PROG)
 
 
 if __name__ == "__main__":
