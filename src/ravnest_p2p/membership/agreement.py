@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +52,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_RETURN_MARGIN_S = 5.0  # a record must be this much newer than the exclusion to end it (clock skew)
 
 
 class RecordSource(Protocol):
@@ -135,6 +138,7 @@ class MembershipService:
         self._records = records
         self._board = board
         self._clock = clock
+        self._wall_clock = wall_clock
         self.view = MembershipView(num_buckets=config.num_buckets)
         self.tracker = EpochTracker(config.timing())
         self.gossiper = Gossiper(
@@ -180,6 +184,10 @@ class MembershipService:
         self._proposal: Plan | None = None
         self._proposal_workload = "default"
         self._excluded_until: dict[str, float] = {}
+        # peers excluded as dead or silent (not as misbehaving): peer -> wall time of the exclusion; one
+        # that signs a record after it is back (`_came_back`), once per `exclude_for_s`
+        self._may_return: dict[str, float] = {}
+        self._returned_at: dict[str, float] = {}
         self._refresh_wanted = False
         self._published_at = -1e18
         self._listeners: list[Callable[[Plan], None]] = []
@@ -278,6 +286,10 @@ class MembershipService:
 
     def _exclude(self, peer_id: str, reason: str) -> None:
         self._excluded_until[peer_id] = self._clock() + self.config.exclude_for_s
+        if reason.startswith(f"{SuspectKind.MISBEHAVING}:"):
+            self._may_return.pop(peer_id, None)  # evidence of misbehaviour: out for the whole time
+        else:
+            self._let_return(peer_id)
         self._claims.pop(peer_id, None)
         logger.warning("excluding %s for %.0fs: %s", peer_id, self.config.exclude_for_s, reason)
         if peer_id in self.tracker.members and self.tracker.phase == Phase.ACTIVE:
@@ -299,7 +311,36 @@ class MembershipService:
     def _eligible(self, record: PeerRecord, now: float) -> bool:
         if record.state not in (PeerState.READY, PeerState.TRAINING) or record.client_mode:
             return False
-        return self._excluded_until.get(record.peer_id, -1.0) <= now
+        if self._excluded_until.get(record.peer_id, -1.0) <= now:
+            return True
+        return self._came_back(record)
+
+    def _let_return(self, peer_id: str) -> None:
+        """Let a peer excluded as dead or silent back early (`_came_back`), unless it already came
+        back once within `exclude_for_s` (a live peer that keeps stalling agreement waits it out)."""
+        now = self._wall_clock()
+        if now - self._returned_at.get(peer_id, -math.inf) >= self.config.exclude_for_s:
+            self._may_return[peer_id] = now
+        else:
+            self._may_return.pop(peer_id, None)
+
+    def _came_back(self, record: PeerRecord) -> bool:
+        """Whether a peer excluded as dead or silent is back: it signed a ready record after the
+        exclusion (by `_RETURN_MARGIN_S` of clock skew) — a restarted peer, or a member that was only
+        slow; a dead peer signs nothing new. Its exclusion ends at once, so every member that reads the
+        record includes it again at the next epoch instead of each waiting out its own timer (timers
+        that ended at different moments kept the views of a churning swarm from ever matching: 10
+        minutes without an active plan in the churn soak). A misbehaving peer is never let back early."""
+        excluded_at = self._may_return.get(record.peer_id)
+        if excluded_at is None or record.updated_at <= excluded_at + _RETURN_MARGIN_S:
+            return False
+        del self._may_return[record.peer_id]
+        self._excluded_until.pop(record.peer_id, None)
+        self._returned_at[record.peer_id] = self._wall_clock()
+        logger.info(
+            "%s is back (a record of epoch %d signed after its exclusion)", record.peer_id, record.epoch
+        )
+        return True
 
     async def _observe(self, now: float) -> None:
         if self._refresh_wanted:
@@ -431,6 +472,7 @@ class MembershipService:
             logger.info("dropping %d members silent on epoch %d", len(silent), self.tracker.epoch)
             for pid in silent:
                 self._excluded_until[pid] = now + self.config.exclude_for_s
+                self._let_return(pid)
             self.tracker.open_epoch(self.tracker.epoch + 1)
         elif self._proposal is not None and any(
             published.get(pid) != self._proposal.digest() for pid in self.tracker.members

@@ -36,6 +36,7 @@ async def make(num_peers: int):
         MemorySuspectBoard(),
         Clock(),
     )
+    clock.now = 2000.0  # the wall clock too: past the records' `updated_at` (1000), as in a real swarm
     services = {}
     for i in range(num_peers):
         pid = f"QmTestPeer{'abcdefghijkmnopqrstuvwxyz'[i]}"
@@ -142,3 +143,39 @@ async def test_malformed_or_strangers_suspect_reports_exclude_nobody():
     assert all(s.suspicion.num_found_alive == 0 for s in services.values())
     assert all(not s._is_excluded(target) for s in services.values())
     assert all(s.epoch == 0 and s.phase == Phase.ACTIVE for s in services.values())
+
+
+async def test_an_excluded_dead_member_that_restarts_is_back_at_the_next_epoch_not_after_its_timer():
+    """A peer killed, excluded by the survivors, then restarted with the same identity (a new signed
+    record): every survivor ends the exclusion when it reads that record, and the next plan names it
+    again well before `exclude_for_s`."""
+    net, records, suspects, clock, services = await make(5)
+    victim = sorted(services)[2]
+    net.kill(victim)
+    dead = services.pop(victim)
+    reporter = next(iter(services.values()))
+    reporter.report_suspect(victim, "NeighbourLost in the test")
+    await run_until(
+        clock, services, lambda: agreed(services) and reporter.active_plan.epoch > 0, max_rounds=15
+    )
+    assert victim not in str(reporter.active_plan.model_dump())
+    excluded_at = clock.now
+    # the restart: the same identity on the network again, a fresh record, its own membership service
+    await dead.aclose()
+    revived = MembershipService(
+        CONFIG,
+        RpcEndpoint(net.create(victim), "run"),
+        records,
+        dead._board,  # its view of the plan board (the same identity)
+        suspects=suspects.view_as(victim),
+        clock=clock,
+        rng=random.Random(99),
+        wall_clock=clock,
+    )
+    await revived.serve()
+    services[victim] = revived
+    records.all[victim] = records.all[victim].model_copy(update={"updated_at": clock.now + 10.0})
+    await run_until(
+        clock, services, lambda: agreed(services) and victim in str(reporter.active_plan.model_dump()), 30
+    )
+    assert clock.now - excluded_at < CONFIG.exclude_for_s / 2
