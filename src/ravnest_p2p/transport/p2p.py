@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ravnest_p2p.errors import ConfigError, PayloadTooLarge, PeerUnreachable, TransportError
 from ravnest_p2p.transport.base import UNARY_LIMIT_BYTES, RawHandler
 from ravnest_p2p.transport.budget import InboundBudget, Lease
+from ravnest_p2p.transport.daemon_guard import guard_pending_calls
 from ravnest_p2p.transport.identity import Identity
 from ravnest_p2p.transport.limits import WireLimits
 from ravnest_p2p.transport.priority import TrafficGate
@@ -191,6 +192,7 @@ class P2PTransport:
             )
         except P2PDaemonError as exc:
             raise TransportError(f"cannot start the p2p daemon: {exc}") from None
+        guard_pending_calls(p2p)  # a late reply must not end the daemon client's reader (daemon_guard.py)
         return p2p
 
     @property

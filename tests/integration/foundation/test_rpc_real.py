@@ -77,3 +77,10 @@ async def test_oversized_and_malformed_payloads_get_error_replies_and_server_kee
             assert b"invalid_message" in bytes(reply)
     assert seen == []
     assert (await client.call(b.peer_id, ECHO, Req(n=5), timeout_s=10)).message.n == 5
+
+
+async def test_the_daemon_client_of_a_real_transport_is_guarded_against_late_replies(two_hosts):
+    from ravnest_p2p.transport.daemon_guard import GuardedCalls
+
+    for host in two_hosts:
+        assert isinstance(host.p2p._client.control._pending_calls, GuardedCalls)
