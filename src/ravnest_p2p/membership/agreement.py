@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +32,7 @@ from ravnest_p2p.discovery import PeerRecord, RunDHT, dht_time
 from ravnest_p2p.membership.board import PlanBoard
 from ravnest_p2p.membership.config import DEFAULT_LAYERS, MembershipConfig
 from ravnest_p2p.membership.epochs import Action, EpochTracker, Phase, backed_epoch
+from ravnest_p2p.membership.exclusions import Exclusions
 from ravnest_p2p.membership.gossip import Gossiper, GossipLimits
 from ravnest_p2p.membership.suspects import DhtSuspectBoard, SuspectBoard, SuspectKind
 from ravnest_p2p.membership.suspicion import SuspicionKeeper
@@ -52,8 +52,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_RETURN_MARGIN_S = 5.0  # a record must be this much newer than the exclusion to end it (clock skew)
 
 
 class RecordSource(Protocol):
@@ -183,11 +181,8 @@ class MembershipService:
         self.active_workload: str | None = None
         self._proposal: Plan | None = None
         self._proposal_workload = "default"
-        self._excluded_until: dict[str, float] = {}
-        # peers excluded as dead or silent (not as misbehaving): peer -> wall time of the exclusion; one
-        # that signs a record after it is back (`_came_back`), once per `exclude_for_s`
-        self._may_return: dict[str, float] = {}
-        self._returned_at: dict[str, float] = {}
+        # dead, silent or misbehaving peers left out of the view (`exclusions.py`)
+        self.exclusions = Exclusions(config.exclude_for_s, clock=clock, wall_clock=wall_clock)
         self._refresh_wanted = False
         self._published_at = -1e18
         self._listeners: list[Callable[[Plan], None]] = []
@@ -232,7 +227,7 @@ class MembershipService:
         return peer_id in self.view.live_ids()
 
     def _is_excluded(self, peer_id: str) -> bool:
-        return self._excluded_until.get(peer_id, -1.0) > self._clock()
+        return self.exclusions.is_excluded(peer_id)
 
     def _are_neighbours(self, a: str, b: str) -> bool:
         (cluster_a, stage_a), (cluster_b, stage_b) = (plan_position(self.active_plan, p) for p in (a, b))
@@ -285,11 +280,8 @@ class MembershipService:
         self.suspicion.report(peer_id, reason, kind=SuspectKind.MISBEHAVING)
 
     def _exclude(self, peer_id: str, reason: str) -> None:
-        self._excluded_until[peer_id] = self._clock() + self.config.exclude_for_s
-        if reason.startswith(f"{SuspectKind.MISBEHAVING}:"):
-            self._may_return.pop(peer_id, None)  # evidence of misbehaviour: out for the whole time
-        else:
-            self._let_return(peer_id)
+        misbehaving = reason.startswith(f"{SuspectKind.MISBEHAVING}:")
+        self.exclusions.exclude(peer_id, may_return=not misbehaving)
         self._claims.pop(peer_id, None)
         logger.warning("excluding %s for %.0fs: %s", peer_id, self.config.exclude_for_s, reason)
         if peer_id in self.tracker.members and self.tracker.phase == Phase.ACTIVE:
@@ -308,39 +300,10 @@ class MembershipService:
         await self.gossiper.unserve()
         await self.suspicion.unserve()
 
-    def _eligible(self, record: PeerRecord, now: float) -> bool:
+    def _eligible(self, record: PeerRecord) -> bool:
         if record.state not in (PeerState.READY, PeerState.TRAINING) or record.client_mode:
             return False
-        if self._excluded_until.get(record.peer_id, -1.0) <= now:
-            return True
-        return self._came_back(record)
-
-    def _let_return(self, peer_id: str) -> None:
-        """Let a peer excluded as dead or silent back early (`_came_back`), unless it already came
-        back once within `exclude_for_s` (a live peer that keeps stalling agreement waits it out)."""
-        now = self._wall_clock()
-        if now - self._returned_at.get(peer_id, -math.inf) >= self.config.exclude_for_s:
-            self._may_return[peer_id] = now
-        else:
-            self._may_return.pop(peer_id, None)
-
-    def _came_back(self, record: PeerRecord) -> bool:
-        """Whether a peer excluded as dead or silent is back: it signed a ready record after the
-        exclusion (by `_RETURN_MARGIN_S` of clock skew) — a restarted peer, or a member that was only
-        slow; a dead peer signs nothing new. Its exclusion ends at once, so every member that reads the
-        record includes it again at the next epoch instead of each waiting out its own timer (timers
-        that ended at different moments kept the views of a churning swarm from ever matching: 10
-        minutes without an active plan in the churn soak). A misbehaving peer is never let back early."""
-        excluded_at = self._may_return.get(record.peer_id)
-        if excluded_at is None or record.updated_at <= excluded_at + _RETURN_MARGIN_S:
-            return False
-        del self._may_return[record.peer_id]
-        self._excluded_until.pop(record.peer_id, None)
-        self._returned_at[record.peer_id] = self._wall_clock()
-        logger.info(
-            "%s is back (a record of epoch %d signed after its exclusion)", record.peer_id, record.epoch
-        )
-        return True
+        return self.exclusions.admits(record)
 
     async def _observe(self, now: float) -> None:
         if self._refresh_wanted:
@@ -352,7 +315,7 @@ class MembershipService:
         snapshot = {
             pid: (rec.updated_at, record_capacity(rec))
             for pid, rec in self._records.peers.items()
-            if self._eligible(rec, now)
+            if self._eligible(rec)
         }
         self.view.observe(snapshot)
 
@@ -471,8 +434,7 @@ class MembershipService:
         if silent:
             logger.info("dropping %d members silent on epoch %d", len(silent), self.tracker.epoch)
             for pid in silent:
-                self._excluded_until[pid] = now + self.config.exclude_for_s
-                self._let_return(pid)
+                self.exclusions.exclude(pid, may_return=True)
             self.tracker.open_epoch(self.tracker.epoch + 1)
         elif self._proposal is not None and any(
             published.get(pid) != self._proposal.digest() for pid in self.tracker.members
