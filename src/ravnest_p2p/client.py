@@ -315,7 +315,7 @@ class RunClient:
 
         def on_progress(snapshot: ProgressSnapshot) -> None:
             summary = summarize(snapshot, job.job_id)
-            history.add(summary)
+            history.add(summary, metrics=snapshot)
             renderer.update(history, summary)
 
         history.final = await self.wait_for_job(
