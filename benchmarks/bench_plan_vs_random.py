@@ -4,9 +4,11 @@ Eight real peers run a `peers/scenario_*.toml` profile (DT-FM's scenarios scaled
 htb rates, every peer CPU-capped to the same share) and probe each other until every record reports
 its links to the other seven. A researcher in its own namespace (`benchmarks.plan_vs_random_driver`)
 then plans a pipeline + data-parallel job with `RunClient.plan(records, job)` (the measured link matrix,
-the planner the peers' agreement runs) and trains, alternating A B A B A B on the same peers: A = the
-planned placement, B = a seeded random placement of the same peers into the same clusters x stages
-(same layer ranges). Alternation makes the drift of the shared host's load hit both.
+the planner the peers' agreement runs) and trains, interleaved A B C A B C A B C on the same peers:
+A = the planned placement, B = a seeded random placement of the same peers into the same clusters x
+stages (same layer ranges), C = the planner without the link matrix (`use_links=False`: each peer's own
+up/down figures), which tells what the measured matrix itself earns (``--no-unlinked``: A B A B A B).
+Interleaving makes the drift of the shared host's load hit every arm.
 
 Workload: an MLP of 3 hidden layers of width 128 + head (4 cuttable layers, so 2 clusters x 4 stages),
 micro-batches of 2048 samples: every stage boundary carries 2048 x 128 x 4 B = 1 MiB forward and the
@@ -17,7 +19,7 @@ the same order as a transfer while a slow cross-site hop (22.4 Mbit/s: 390 ms) d
 DT-FM's comparison (communication-bound geo-distributed training). Averaging between the two clusters
 every 10 micro-batches: its payload (one stage's weights, <= 66 KB) is small, unlike the paper's.
 
-Usage (root; about 6-10 min per profile on the shared 2-core host)::
+Usage (root; about 10 min per profile on the shared 2-core host)::
 
     python -m benchmarks.bench_plan_vs_random --profiles multi_datacenter regional
 """
@@ -43,9 +45,10 @@ from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.swarm import poll_until
 from ravnest_p2p.training.job import JobSpec
 
+COLORS = {"A": "tab:blue", "B": "tab:orange", "C": "tab:gray"}
 REPO = Path(__file__).resolve().parents[1]
 DTFM_WORLD_WIDE_SPEEDUP = 2.7  # DT-FM (Yuan et al., NeurIPS 2022): up to 2.7x over random, world-wide case
-ORDER = ["A", "B", "A", "B", "A", "B"]
+ORDER = ["A", "B", "C"] * 3
 SEEDS = [11, 12, 13]
 
 # Probes: the defaults (every 30 s, 2 peers a round, every 2 s until each peer was probed once) already
@@ -103,8 +106,8 @@ def _slowest_hops(placement: list[list[dict[str, Any]]], names: dict[str, str], 
     return "/".join(out)
 
 
-def run_profile(name: str, *, max_steps: int, workdir: Path) -> dict[str, Any]:
-    """One lab of `peers/scenario_<name>.toml`: measure links, then train ORDER; return the summary."""
+def run_profile(name: str, *, max_steps: int, order: list[str], workdir: Path) -> dict[str, Any]:
+    """One lab of `peers/scenario_<name>.toml`: measure links, then train `order`; return the summary."""
     path = REPO / "peers" / f"scenario_{name}.toml"
     profile = load_profile(path)
     config = workdir / "peer.toml"
@@ -119,7 +122,7 @@ def run_profile(name: str, *, max_steps: int, workdir: Path) -> dict[str, Any]:
         argv = [sys.executable, "-m", "benchmarks.plan_vs_random_driver", "--run-id", swarm.run_id]
         argv += ["--initial-peers", *swarm.initial_peers, "--num-peers", str(len(profile.peers))]
         argv += ["--min-links", str(len(profile.peers) - 1), "--min-stages", "4"]
-        argv += ["--job", spec.model_dump_json(), "--out", str(out), "--order", *ORDER]
+        argv += ["--job", spec.model_dump_json(), "--out", str(out), "--order", *order]
         argv += ["--seeds", *map(str, SEEDS)]
         log = workdir / f"{name}-driver.log"
         driver = swarm.lab.run_in_ns(len(profile.peers), argv, log_path=log, cwd=str(REPO))
@@ -145,6 +148,7 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
     runs = result["runs"]
     planned = [r["samples_per_s"] for r in runs if r["kind"] == "A"]
     rand = [r["samples_per_s"] for r in runs if r["kind"] == "B"]
+    unlinked = [r["samples_per_s"] for r in runs if r["kind"] == "C"]
     pairs = [a / b for a, b in zip(planned, rand, strict=True)]
     loads = [r["load_before"][0] for r in runs] + [r["load_after"][0] for r in runs]
     return {
@@ -154,7 +158,10 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
         "random_seeds": "/".join(str(r["seed"]) for r in runs if r["kind"] == "B"),
         "planned_over_random": statistics.mean(planned) / statistics.mean(rand),
         "pair_ratios": "/".join(f"{x:.2f}" for x in pairs),
+        "unlinked_samples_per_s": "/".join(f"{x:.0f}" for x in unlinked) or "-",
+        "planned_over_unlinked": statistics.mean(planned) / statistics.mean(unlinked) if unlinked else "-",
         "planned_slowest_hop_mbps": next(r["slowest_hop_mbps"] for r in runs if r["kind"] == "A"),
+        "unlinked_slowest_hop_mbps": next((r["slowest_hop_mbps"] for r in runs if r["kind"] == "C"), "-"),
         "random_slowest_hop_mbps": "; ".join(r["slowest_hop_mbps"] for r in runs if r["kind"] == "B"),
         "load_1min": f"{min(loads):.1f}-{max(loads):.1f}",
         "links_wait_s": result["links_wait_s"],
@@ -169,16 +176,18 @@ def plot(rows: list[dict[str, Any]], results: list[dict[str, Any]], path: Path) 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / len(ORDER)
+    num_runs = max(len(r["runs"]) for r in results)
+    width = 0.8 / num_runs
     for p, result in enumerate(results):
         for i, run in enumerate(result["runs"]):
-            color = "tab:blue" if run["kind"] == "A" else "tab:orange"
-            ax.bar(p + (i - (len(ORDER) - 1) / 2) * width, run["samples_per_s"], width * 0.9, color=color)
+            color = COLORS[run["kind"]]
+            ax.bar(p + (i - (num_runs - 1) / 2) * width, run["samples_per_s"], width * 0.9, color=color)
         top = max(run["samples_per_s"] for run in result["runs"])
         ax.text(p, top * 1.02, f"planned / random = {rows[p]['planned_over_random']:.2f}x", ha="center")
     ax.set_xticks(range(len(results)), [r["profile"] for r in results])
     ax.set_ylabel("samples/s (2 clusters x 4 stages)")
-    ax.set_title(f"planned (blue) vs random (orange), runs in order {' '.join(ORDER)}")
+    order = " ".join(run["kind"] for run in results[0]["runs"])
+    ax.set_title(f"A planned (blue), B random (orange), C planned without links (grey): {order}", fontsize=9)
     ax.axhline(0, color="black", linewidth=0.5)
     ax.set_ylim(0, ax.get_ylim()[1] * 1.08)
     fig.tight_layout()
@@ -188,24 +197,28 @@ def plot(rows: list[dict[str, Any]], results: list[dict[str, Any]], path: Path) 
 
 NOTES = (
     "8 peer processes in lab namespaces running a DT-FM scenario profile (scaled, per-destination htb "
-    "rates, CPU-capped equally), researcher in its own namespace. After every record reported links to "
-    "the 7 others, one job (MLP 128-128-128-8, micro-batch 2048 = 1 MiB per stage boundary, 60 "
-    "micro-batches per cluster, 2 clusters x 4 stages, averaging every 10) trained in the order A B A B A B: "
-    "A = RunClient.plan(records, job) with the measured link matrix; B = the same shape filled with a "
-    "seeded shuffle of the same peers. samples/s = sum over clusters of first-stage micro-batches x "
-    "batch / training wall time. planned_over_random = mean(A) / mean(B); pair_ratios = A_i / B_i. "
-    "slowest_hop = per cluster, the slowest emulated rate between consecutive stages. DT-FM reports up "
-    "to 2.7x over random in its world-wide case. Command: python -m benchmarks.bench_plan_vs_random"
+    "rates, CPU-capped equally), researcher in its own namespace. After every record reported links "
+    "to the 7 others, one job (MLP 128-128-128-8, micro-batch 2048 = 1 MiB per stage boundary, 60 "
+    "micro-batches per cluster, 2 clusters x 4 stages, averaging every 10) trained in the order "
+    "A B C A B C A B C: A = RunClient.plan(records, job) with the measured link matrix; B = the same "
+    "shape filled with a seeded shuffle of the same peers; C = RunClient.plan(records, job, "
+    "use_links=False). samples/s = sum over clusters of first-stage micro-batches x batch / training "
+    "wall time. planned_over_random = mean(A) / mean(B); pair_ratios = A_i / B_i; "
+    "planned_over_unlinked = mean(A) / mean(C). slowest_hop = per cluster, the slowest emulated rate "
+    "between consecutive stages. load_1min = the host's 1-minute load average over the runs (2 CPUs). "
+    "DT-FM reports up to 2.7x over random in its world-wide case. "
+    "Command: python -m benchmarks.bench_plan_vs_random"
 )
 
 
-def main(quick: bool = False, profiles: list[str] | None = None) -> None:
+def main(quick: bool = False, profiles: list[str] | None = None, unlinked: bool = True) -> None:
     profiles = profiles or ["multi_datacenter", "regional"]
+    order = ORDER if unlinked else [k for k in ORDER if k != "C"]
     max_steps = 30 if quick else 60
     results = []
     with tempfile.TemporaryDirectory(prefix="ravnest-lp-") as tmp:
         for name in profiles:
-            results.append(run_profile(name, max_steps=max_steps, workdir=Path(tmp)))
+            results.append(run_profile(name, max_steps=max_steps, order=order, workdir=Path(tmp)))
             print(json.dumps(summarise(results[-1])), flush=True)
     rows = [summarise(r) for r in results]
     json_path = record("plan_vs_random", rows, notes=NOTES)
@@ -220,5 +233,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_plan_vs_random")
     parser.add_argument("--profiles", nargs="+", default=["multi_datacenter", "regional"])
     parser.add_argument("--quick", action="store_true", help="30 micro-batches per run instead of 60")
+    parser.add_argument(
+        "--no-unlinked", action="store_true", help="only A and B (no C: planned with use_links=False)"
+    )
     cli = parser.parse_args()
-    main(quick=cli.quick, profiles=cli.profiles)
+    main(quick=cli.quick, profiles=cli.profiles, unlinked=not cli.no_unlinked)

@@ -5,8 +5,9 @@
 2. Plans the job with `RunClient.plan(records, job)` (the link matrix from the records, the same
    `make_plan` the peers' agreement runs) and draws a random placement of the same peers into the same
    cluster/stage shape (same layer ranges) for each seed.
-3. Trains them in the order given by `--order` (``A`` = planned, ``B`` = the next random seed), each as a
-   new job on the same peers, and records every stage's final metrics and the host's load average.
+3. Trains them in the order given by `--order` (``A`` = planned, ``B`` = the next random seed, ``C`` =
+   planned without the link matrix, `use_links=False`), each as a new job on the same peers, and
+   records every stage's final metrics and the host's load average.
 """
 
 from __future__ import annotations
@@ -83,6 +84,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         used = [s.peer_id for c in planned for s in c]
         peer_ids = [r.peer_id for r in records]
         placements: dict[str, Assignment] = {"A": planned}
+        if "C" in args.order:
+            unlinked = client.plan(records, base, min_stages=args.min_stages, use_links=False).assignment
+            assert unlinked is not None
+            placements["C"] = unlinked
         for seed in args.seeds:
             placements[f"B{seed}"] = random_assignment(planned, peer_ids, seed)
         out: dict[str, Any] = {
@@ -95,7 +100,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         seeds = iter(args.seeds)
         for index, kind in enumerate(args.order):
-            key = "A" if kind == "A" else f"B{next(seeds)}"
+            key = f"B{next(seeds)}" if kind == "B" else kind
             job = base.model_copy(
                 update={"job_id": f"{base.job_id}-{index}-{key.lower()}", "assignment": placements[key]}
             )
@@ -108,7 +113,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "index": index,
                     "kind": kind,
                     "placement": key,
-                    "seed": None if kind == "A" else int(key[1:]),
+                    "seed": int(key[1:]) if kind == "B" else None,
                     "wall_s": time.monotonic() - started,
                     "load_before": load_before,
                     "load_after": os.getloadavg(),
@@ -128,7 +133,7 @@ def main() -> None:
     parser.add_argument("--min-links", type=int, required=True, help="links each record must report")
     parser.add_argument("--min-stages", type=int, required=True)
     parser.add_argument("--job", required=True, help="JobSpec JSON (without assignment)")
-    parser.add_argument("--order", nargs="+", choices=["A", "B"], required=True)
+    parser.add_argument("--order", nargs="+", choices=["A", "B", "C"], required=True)
     parser.add_argument("--seeds", nargs="+", type=int, required=True, help="one per B run")
     parser.add_argument("--measure-timeout-s", type=float, default=600)
     parser.add_argument("--run-timeout-s", type=float, default=900)
