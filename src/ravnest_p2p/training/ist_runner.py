@@ -172,6 +172,15 @@ class IstRunner:
         self.state.commit(round_index, live, deal, sub)
         await self.state.notify()
         self.round, self.loss = round_index + 1, loss
+        logger.info(
+            "job %s: IST round %d committed (%d workers, %d gone, %d bytes pulled, loss %s)",
+            self.job.job_id,
+            round_index,
+            len(live),
+            len(gone),
+            pulled,
+            f"{loss:.4f}" if loss is not None else "-",
+        )
         self.round_log.append(
             {
                 "round": round_index,
@@ -342,9 +351,7 @@ class IstRunner:
         def served() -> bool:
             return others - state.gone() <= state.final_served or self.stop_requested.is_set()
 
-        async with state.changed:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(state.changed.wait_for(served), _LINGER_S)
+        await state.wait_for(served, _LINGER_S)
 
     # ----- reporting --------------------------------------------------------------------------------
     def metrics(self) -> StageMetrics:

@@ -17,8 +17,9 @@ deal: the job fails with that reason instead of training on two different deals.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -69,7 +70,7 @@ class IstState:
         self.dealt_to: dict[int, tuple[int, ...]] = {}
         self.dead_since: dict[int, int] = {}
         self.evicted: str | None = None
-        self.changed = asyncio.Condition()
+        self._changed = asyncio.Event()  # set (and replaced) whenever the state changes
         self.final_served: set[int] = set()
 
     # ----- membership -------------------------------------------------------------------------------
@@ -174,8 +175,21 @@ class IstState:
 
     # ----- the handler -------------------------------------------------------------------------------
     async def notify(self) -> None:
-        async with self.changed:
-            self.changed.notify_all()
+        """Wake everything waiting for a change (a commit, a death, a final pull served)."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait until ``predicate()`` holds (re-checked on every `notify`); False after ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not predicate():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+        return True
 
     async def handle_pull(
         self, request: IstPull, tensors: list[Tensor], context: CallContext
@@ -236,17 +250,10 @@ class IstState:
         return message, out
 
     async def _wait_committed(self, round_index: int, wait_s: float) -> bool:
-        async with self.changed:
-            try:
-                await asyncio.wait_for(
-                    self.changed.wait_for(lambda: self.committed >= round_index or self.evicted is not None),
-                    wait_s,
-                )
-            except TimeoutError:
-                return False
+        ready = await self.wait_for(lambda: self.committed >= round_index or self.evicted is not None, wait_s)
         if self.evicted is not None:
             raise InvalidMessage(f"this peer left the job: {self.evicted}")
-        return True
+        return ready
 
 
 def _check_workers(workers: Sequence[int], count: int, what: str) -> None:
