@@ -34,7 +34,11 @@ __all__ = ["IstState"]
 
 logger = logging.getLogger(__name__)
 
-_KEEP_ROUNDS = 6  # holder maps kept: the fallback chain of a dead worker's holdings, and a late requester
+# a dead worker's holdings fall back along the holder maps of this many earlier rounds; both sides of a
+# pull must use the same chain, so it is fixed by the round asked for, and every worker keeps the maps a
+# requester may still ask about (a holder is at most one round ahead of a requester)
+_FALLBACK_ROUNDS = 4
+_KEEP_ROUNDS = _FALLBACK_ROUNDS + 2
 
 
 class IstState:
@@ -120,9 +124,9 @@ class IstState:
         """Holders of the entries at the start of ``round_index``, with the ``gone`` workers' fallen back."""
         latest = self.holders[round_index - 1]
         older = [
-            self.holders.get(r) for r in range(round_index - 2, max(-2, round_index - 2 - _KEEP_ROUNDS), -1)
+            self.holders[r] for r in range(round_index - 2, max(-2, round_index - 2 - _FALLBACK_ROUNDS), -1)
         ]
-        return latest.without(gone, [h for h in older if h is not None])
+        return latest.without(gone, older)
 
     def wanted(self, round_index: int, live: Sequence[int], requester: int, *, final: bool) -> list[Tensor]:
         """Flat indices, per dealt tensor, that ``requester`` needs at the start of ``round_index``."""
@@ -215,14 +219,16 @@ class IstState:
             raise InvalidMessage(
                 f"worker {requester} was declared dead from round {self.dead_since[requester]}"
             )
-        if request.round - 1 < self.committed - _KEEP_ROUNDS + 1:
-            raise InvalidMessage(f"round {request.round} is too old (this worker is at {self.committed})")
         ready = await self._wait_committed(request.round - 1, request.wait_s)
         workers, since = self.deaths()
         if not ready:
             return IstParts(
                 kind=PartsKind.PENDING, round=request.round, dead_workers=workers, dead_since=since
             ), []
+        if any(
+            r not in self.holders for r in range(max(-1, request.round - 1 - _FALLBACK_ROUNDS), request.round)
+        ):
+            raise InvalidMessage(f"round {request.round} is too old (this worker is at {self.committed})")
         if tuple(request.live) != self.live(request.round):
             return IstParts(
                 kind=PartsKind.MISMATCH, round=request.round, dead_workers=workers, dead_since=since

@@ -11,8 +11,9 @@ import torch
 from ravnest_p2p.errors import InvalidMessage
 from ravnest_p2p.models import build_model, make_loss
 from ravnest_p2p.runtime.optim import OptimizerConfig
-from ravnest_p2p.strategies import ist_bytes_per_worker, train_ist_round
+from ravnest_p2p.strategies import extract_subnetwork, ist_bytes_per_worker, train_ist_round
 from ravnest_p2p.training.ist_runner import IstRunner
+from ravnest_p2p.training.ist_state import IstState
 from ravnest_p2p.training.ist_wire import IstParts, IstPull, PartsKind, check_parts
 from ravnest_p2p.training.job import JobSpec, StagePlacement
 from ravnest_p2p.training.modes import IstConfig
@@ -27,7 +28,9 @@ pytestmark = pytest.mark.timeout(60)
 MODEL = {"in_features": 16, "hidden_features": [48, 48], "out_features": 4}
 
 
-def _job(workers: list[str], *, max_steps: int, local_steps: int = 3, **ist: object) -> JobSpec:
+def _job(
+    workers: list[str], *, max_steps: int, local_steps: int = 3, epochs: int = 1, **ist: object
+) -> JobSpec:
     end = len(build_model("wide_mlp", MODEL))
     return JobSpec(
         job_id="ist",
@@ -37,6 +40,7 @@ def _job(workers: list[str], *, max_steps: int, local_steps: int = 3, **ist: obj
         dataset_config={"num_samples": 640},
         batch_size=16,
         max_steps=max_steps,
+        num_epochs=epochs,
         seed=5,
         optimizer=OptimizerConfig(name="sgd", lr=0.05),
         mode="ist",
@@ -99,10 +103,11 @@ async def test_networked_ist_equals_the_in_process_ist() -> None:
 
 
 async def test_a_dead_worker_is_left_out_and_the_run_goes_on() -> None:
-    network, runners = _runners(3, max_steps=30, local_steps=2)
+    network, runners = _runners(3, max_steps=30, local_steps=2, epochs=3)
     victim = runners[2]
     tasks = {r.rpc.peer_id: asyncio.create_task(r.run()) for r in runners}
-    while victim.round < 3:
+    assert victim.num_rounds == 15
+    while victim.round < 9:  # past the first pruned holder maps
         await asyncio.sleep(0.005)  # polling the victim's progress, bounded by the test timeout
     network.kill(victim.rpc.peer_id)
     tasks[victim.rpc.peer_id].cancel()
@@ -176,3 +181,16 @@ async def test_the_holder_refuses_malformed_pulls() -> None:
     later = IstPull(**{**ok, "round": 1, "live": (0, 1)})  # type: ignore[arg-type]
     pending, _ = await state.handle_pull(later, [], me)
     assert pending.kind == PartsKind.PENDING  # round 0 is not committed yet
+
+
+def test_a_holder_one_round_ahead_computes_the_same_fallback_as_the_requester() -> None:
+    """The fallback chain of a dead worker's holdings must not depend on which old maps a worker pruned."""
+    layers = build_model("wide_mlp", MODEL, seed=0)
+    ahead, behind = (IstState("ist", ["w0", "w1", "w2"], me, layers, seed=5, num_rounds=20) for me in (0, 1))
+    for state, last in ((ahead, 12), (behind, 11)):
+        for r in range(last + 1):
+            live = (0, 1, 2)
+            deal = state.deal(r, live)
+            state.commit(r, live, deal, extract_subnetwork(state.layers, deal, live.index(state.me)))
+    for a, b in zip(ahead.holders_for(12, [2]).maps, behind.holders_for(12, [2]).maps, strict=True):
+        assert torch.equal(a, b)
