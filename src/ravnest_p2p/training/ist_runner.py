@@ -38,7 +38,7 @@ from ravnest_p2p.runtime.optim import build_optimizer, lr_factor
 from ravnest_p2p.strategies.ist import IstDeal, ScaleRule, extract_subnetwork
 from ravnest_p2p.strategies.ist_blocks import shared_mean
 from ravnest_p2p.strategies.ist_local import eval_layers
-from ravnest_p2p.training.ist_state import IstState
+from ravnest_p2p.training.ist_state import IstState, LeftJob
 from ravnest_p2p.training.ist_wire import IST_PULL, IstPull, PartsKind, check_parts
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics
@@ -117,6 +117,7 @@ class IstRunner:
         self.eval_accuracy: float | None = None
         self._done = False
         self._failure: str | None = None
+        self.left: str | None = None  # why the others excluded this worker (it stopped, the job goes on)
         self._started = time.monotonic()
         self._tasks = TaskOwner(f"ist-{rpc.peer_id[-6:]}")
 
@@ -144,6 +145,9 @@ class IstRunner:
             )
             self._done = True
             await self._linger()
+        except LeftJob as exc:  # excluded by the others, who go on: not a failure of the job
+            logger.warning("job %s: %s", self.job.job_id, exc)
+            self.left = str(exc)
         except asyncio.CancelledError:
             cancelled = True
             raise
@@ -196,6 +200,8 @@ class IstRunner:
     async def _pull(self, round_index: int, *, final: bool) -> tuple[tuple[int, ...], set[int]]:
         """Fetch this round's entries and shared tensors from every live holder; (deal, gone) used."""
         while True:
+            if self.state.evicted is not None:
+                raise LeftJob(f"worker {self.index} left the job: {self.state.evicted}")
             live = self.state.live(round_index)
             if self.index not in live:
                 raise RavnestError(f"worker {self.index} is not dealt round {round_index}")
@@ -250,7 +256,7 @@ class IstRunner:
                 reply = await self.rpc.call(peer, IST_PULL, request, timeout_s=request.wait_s + 30.0)
             except (RemoteError, TransportError) as exc:
                 if isinstance(exc, RemoteError) and "declared dead" in str(exc):
-                    raise RavnestError(f"worker {self.index} left the job: {exc}") from None
+                    raise LeftJob(f"worker {self.index} left the job: {exc}") from None
                 now = loop.time()
                 failing_since = failing_since if failing_since is not None else now
                 if now - failing_since >= patience or now >= deadline:

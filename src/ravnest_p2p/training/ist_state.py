@@ -30,7 +30,7 @@ from ravnest_p2p.strategies.ist_blocks import EVERYONE, Holders, model_tensors, 
 from ravnest_p2p.training.ist_wire import IstParts, IstPull, PartsKind
 from ravnest_p2p.transport.rpc import CallContext
 
-__all__ = ["IstState"]
+__all__ = ["IstState", "LeftJob"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 # requester may still ask about (a holder is at most one round ahead of a requester)
 _FALLBACK_ROUNDS = 4
 _KEEP_ROUNDS = _FALLBACK_ROUNDS + 2
+
+
+class LeftJob(RavnestError):
+    """This worker was declared dead by another (unreachable or too slow for a while): it must stop."""
 
 
 class IstState:
@@ -93,7 +97,8 @@ class IstState:
         """Merge deaths (worker, first round without it); whether anything changed.
 
         Raises:
-            RavnestError: this worker was declared dead, or a death contradicts a committed deal.
+            LeftJob: this worker was declared dead.
+            RavnestError: a death contradicts a deal this worker committed.
         """
         if len(workers) != len(since):
             raise InvalidMessage("dead workers and rounds differ in length")
@@ -105,7 +110,7 @@ class IstState:
                 continue
             if worker == self.me:
                 self.evicted = f"declared dead from round {first} by another worker"
-                raise RavnestError(f"worker {self.me} left the job: {self.evicted}")
+                raise LeftJob(f"worker {self.me} left the job: {self.evicted}")
             committed = [r for r, dealt in self.dealt_to.items() if r >= first and worker in dealt]
             if committed:
                 raise RavnestError(

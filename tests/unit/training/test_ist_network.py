@@ -194,3 +194,15 @@ def test_a_holder_one_round_ahead_computes_the_same_fallback_as_the_requester() 
             state.commit(r, live, deal, extract_subnetwork(state.layers, deal, live.index(state.me)))
     for a, b in zip(ahead.holders_for(12, [2]).maps, behind.holders_for(12, [2]).maps, strict=True):
         assert torch.equal(a, b)
+
+
+async def test_a_worker_the_others_exclude_stops_without_failing_the_job() -> None:
+    _, runners = _runners(3, max_steps=12, local_steps=2)
+    runners[0].state.learn([2], [3])  # worker 0 believes worker 2 dead from round 3 on (e.g. too slow)
+    results = await asyncio.wait_for(asyncio.gather(*(r.run() for r in runners)), 50)
+    assert all(m.done for m in results[:2]), [m.failed for m in results]
+    assert not results[2].done
+    assert results[2].failed is None
+    assert runners[2].left is not None
+    assert "declared dead" in runners[2].left
+    assert all(r.state.dead_since.get(2, 99) <= 3 for r in runners[:2])
