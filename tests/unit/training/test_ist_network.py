@@ -14,7 +14,7 @@ from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.strategies import extract_subnetwork, ist_bytes_per_worker, train_ist_round
 from ravnest_p2p.training.ist_runner import IstRunner
 from ravnest_p2p.training.ist_state import IstState
-from ravnest_p2p.training.ist_wire import IstParts, IstPull, PartsKind, check_parts
+from ravnest_p2p.training.ist_wire import IST_PULL, IstParts, IstPull, PartsKind, check_parts
 from ravnest_p2p.training.job import JobSpec, StagePlacement
 from ravnest_p2p.training.modes import IstConfig
 from ravnest_p2p.training.role import role_for
@@ -206,3 +206,22 @@ async def test_a_worker_the_others_exclude_stops_without_failing_the_job() -> No
     assert runners[2].left is not None
     assert "declared dead" in runners[2].left
     assert all(r.state.dead_since.get(2, 99) <= 3 for r in runners[:2])
+
+
+async def test_a_worker_sending_malformed_parts_is_excluded() -> None:
+    _, runners = _runners(3, max_steps=12, local_steps=2)
+    hostile = runners[2]
+    honest_handler = hostile.state.handle_pull
+
+    async def corrupting(request, tensors, context):  # type: ignore[no-untyped-def]
+        reply, out = await honest_handler(request, tensors, context)
+        if reply.kind == PartsKind.PARTS and request.round >= 2:
+            out = [t.double() for t in out]  # the right entries, the wrong dtype
+        return reply, out
+
+    await hostile.rpc.unserve(IST_PULL)
+    hostile.state.handle_pull = corrupting  # type: ignore[method-assign]
+    results = await asyncio.wait_for(asyncio.gather(*(r.run() for r in runners)), 50)
+    assert all(m.done for m in results[:2]), [m.failed for m in results]
+    assert all(r.state.dead_since.get(2) == 3 for r in runners[:2])  # gone in round 2, dead from 3
+    assert not results[2].done
