@@ -250,8 +250,13 @@ class RunClient:
         if job.assignment is not None:
             # an explicit assignment: a fixed set of clusters on epoch 0
             current = newest_epoch(await self.member_metrics(job, await self.metrics(job_id=job.job_id)))
-            # sync_backup: the job is done once N workers are (a dead backup never reports)
-            expected = job.sync_backup.num_required if job.mode == "sync_backup" else len(job.assignment)
+            # sync_backup: the job is done once N workers are (a dead backup never reports); ist: once
+            # one is (every live worker ends with the same final gather; a dead one never reports)
+            expected = len(job.assignment)
+            if job.mode == "sync_backup":
+                expected = job.sync_backup.num_required
+            elif job.mode == "ist":
+                expected = 1
             return current, _job_done(current, expected)
         progress = await self.progress(job.job_id)
         signed = await self.metrics(job_id=job.job_id)
