@@ -54,8 +54,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from ravnest_p2p.averaging.base import RoundMetrics
+from ravnest_p2p.averaging.deltawire import WireCodec
 from ravnest_p2p.averaging.overlap import Averager, AveragerConfig, ReadFn, WriteFn
-from ravnest_p2p.averaging.pseudograd import DeltaCompression, compress
+from ravnest_p2p.averaging.pseudograd import DeltaCompression, compress, encoded_bytes
 from ravnest_p2p.averaging.ring import RingAllReduce
 from ravnest_p2p.averaging.session import LinkRates
 from ravnest_p2p.averaging.shards import ShardMap
@@ -110,10 +111,21 @@ class OuterOptimizer:
         self._pending: dict[str, Tensor] = {}  # residuals of the sync in progress
         self.payload_bytes = 0  # encoded size of the last sync's pseudo-gradients
 
+    @property
+    def wire(self) -> WireCodec | None:
+        """The ring's Δ codec when Δ is compressed (the rings then carry encoded Δ, not P)."""
+        c = self.config
+        return None if c.compression is DeltaCompression.NONE else WireCodec(c.compression, c.chunk_numel)
+
     def initialise(self, named: Mapping[str, Tensor]) -> None:
-        """Anchor every name that has none yet at its current value (the start of training)."""
+        """Anchor every name that has none yet at its current value (the start of training).
+
+        With a wire codec, buffers get an anchor too: the ring carries only Δ, so a buffer travels as
+        the difference from its last average (shared by all replicas) and is reset to anchor - mean.
+        """
+        wire = self.wire is not None
         for name, value in named.items():
-            if name not in self.plain and value.is_floating_point() and name not in self.theta:
+            if (wire or name not in self.plain) and value.is_floating_point() and name not in self.theta:
                 self.theta[name] = value.detach().to(torch.float32).clone()
 
     def outgoing(self, snapshot: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -176,13 +188,73 @@ class OuterOptimizer:
         self._pending = {}
         return out
 
+    # ----- Δ on the wire (`deltawire.py`) ------------------------------------------------------
+    def outgoing_deltas(self, snapshot: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """What the rings average with `wire`: c = Δ + residual per name (top-k: its kept entries).
+
+        int8/int4: the ring itself quantises (and reports its roundings for the next residual, see
+        `step_deltas`); top-k: chosen here, the ring sums the sparse parts exactly.
+        """
+        c = self.config
+        out: dict[str, Tensor] = {}
+        self._pending, self.payload_bytes = {}, 0
+        for name, local in snapshot.items():
+            if name not in self.theta:
+                logger.warning("outer optimizer: %s had no anchor; anchored at its current value", name)
+                self.theta[name] = local.detach().to(torch.float32).clone()
+            delta = self.theta[name] - local.detach().to(torch.float32)
+            if c.error_feedback and name in self.residual:
+                delta = delta + self.residual[name]
+            if c.compression is DeltaCompression.TOPK:
+                kept, _ = compress(delta, c.compression, topk_fraction=c.topk_fraction)
+                if c.error_feedback:
+                    self._pending[name] = delta - kept
+                delta = kept
+            self.payload_bytes += encoded_bytes(
+                delta.numel(), c.compression, chunk_numel=c.chunk_numel, topk_fraction=c.topk_fraction
+            )
+            out[name] = delta
+        return out
+
+    def step_deltas(
+        self, averaged: Mapping[str, Tensor], lost: Mapping[str, Tensor] | None = None
+    ) -> dict[str, Tensor]:
+        """The outer step from the rings' mean Δ̄; return the new values to continue from.
+
+        `lost`: what this member's ring encodings dropped (int8/int4), the next residual. Buffers take
+        anchor - Δ̄ (a plain average). Names not in `averaged` keep anchor, momentum and residual.
+        """
+        c = self.config
+        out: dict[str, Tensor] = {}
+        for name, mean in averaged.items():
+            d_bar = mean.to(torch.float32)
+            if name in self.plain:
+                new = self.theta[name] - d_bar
+            else:
+                if c.momentum > 0:
+                    buf = self.momentum.get(name)
+                    buf = d_bar.clone() if buf is None else buf.mul_(c.momentum).add_(d_bar)
+                    self.momentum[name] = buf
+                    update = d_bar + c.momentum * buf if c.nesterov else buf
+                else:
+                    update = d_bar
+                new = self.theta[name] - c.lr * update
+            self.theta[name] = new
+            if name in self._pending:
+                self.residual[name] = self._pending[name]
+            elif c.error_feedback and lost is not None and name in lost:
+                self.residual[name] = lost[name].to(torch.float32).clone()
+            out[name] = new.to(mean.dtype)
+        self._pending = {}
+        return out
+
     # ----- moving with the stage state -----------------------------------------------------------
     def export_state(self, names: Collection[str] | None = None) -> dict[str, Tensor]:
         """Copies of the outer state as ``outer/<name>/<slot>`` (slots: theta, momentum, residual)."""
         out = {}
         for slot, table in zip(_SLOTS, (self.theta, self.momentum, self.residual), strict=True):
             for name, value in table.items():
-                if names is None or name in names:
+                if (names is None or name in names) and name not in self.plain:
                     out[f"{OUTER_PREFIX}{name}/{slot}"] = value.clone()
         return out
 
@@ -236,9 +308,12 @@ class OuterAverager(Averager):
         super().__init__(config, rings, read=read, write=write, shard_map=shard_map, link_rates=link_rates)
         self.outer = outer
         self._closing = False
+        self._lost: dict[str, Tensor] = {}
         self.payload_bytes: list[int] = []  # per round: the encoded pseudo-gradients' size
 
-    async def run_round(self, round_index: int, *, wait_for_all: bool = False) -> RoundMetrics | None:
+    async def run_round(
+        self, round_index: int, *, wait_for_all: bool = False, ring_ids: Collection[str] | None = None
+    ) -> RoundMetrics | None:
         """An outer sync; the closing round (`wait_for_all`) is a plain average of the replicas.
 
         Why plain at the end: after it the replicas must agree, and an outer step depends on each
@@ -246,18 +321,43 @@ class OuterAverager(Averager):
         """
         self._closing = wait_for_all
         try:
-            return await super().run_round(round_index, wait_for_all=wait_for_all)
+            return await super().run_round(round_index, wait_for_all=wait_for_all, ring_ids=ring_ids)
         finally:
             self._closing = False
+            self._lost = {}
+
+    async def _all_reduce(
+        self,
+        shard_map: ShardMap,
+        outgoing: Mapping[str, Tensor],
+        round_index: int,
+        rates: LinkRates | None,
+        wait_for_all: bool,
+        ring_ids: Collection[str],
+    ) -> tuple[dict[str, Tensor], RoundMetrics]:
+        wire = None if self._closing else self.outer.wire
+        return await self.rings.all_reduce(
+            shard_map,
+            outgoing,
+            round_index=round_index,
+            link_rates=rates,
+            wait_for_all=wait_for_all,
+            ring_ids=ring_ids,
+            wire=wire,
+            errors=self._lost,
+        )
 
     async def _outgoing(self, snapshot: dict[str, Tensor]) -> Mapping[str, Tensor]:
         if self._closing:
             return snapshot
-        out = await run_in_compute_thread(self.outer.outgoing, snapshot)
+        outgoing = self.outer.outgoing if self.outer.wire is None else self.outer.outgoing_deltas
+        out = await run_in_compute_thread(outgoing, snapshot)
         self.payload_bytes.append(self.outer.payload_bytes)
         return out
 
     async def _incoming(self, averaged: dict[str, Tensor]) -> dict[str, Tensor]:
         if self._closing:
             return averaged
-        return await run_in_compute_thread(self.outer.step, averaged)
+        if self.outer.wire is None:
+            return await run_in_compute_thread(self.outer.step, averaged)
+        return await run_in_compute_thread(self.outer.step_deltas, averaged, self._lost)
