@@ -81,6 +81,8 @@ class OuterOptimizerConfig(BaseModel):
         chunk_numel: elements per quantisation scale.
         topk_fraction: share of entries ``topk`` keeps.
         error_feedback: keep what compression drops and add it to the next Δ.
+        num_fragments: staggered syncs (Streaming DiLoCo, `stagger.py`): the shards are split into
+            this many fragments, each syncing every H steps, one every H / num_fragments steps.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
@@ -92,6 +94,7 @@ class OuterOptimizerConfig(BaseModel):
     chunk_numel: int = Field(default=1024, ge=8, le=1 << 24)
     topk_fraction: float = Field(default=0.01, gt=0, le=1)
     error_feedback: bool = True
+    num_fragments: int = Field(default=1, ge=1, le=64)
 
 
 class OuterOptimizer:
@@ -132,7 +135,9 @@ class OuterOptimizer:
         """The proposals P = θ_outer - Δ̂ to average, one per name of `snapshot`."""
         c = self.config
         out: dict[str, Tensor] = {}
-        self._pending, self.payload_bytes = {}, 0
+        self.payload_bytes = 0
+        for name in snapshot:  # only these names: another fragment's sync may be running
+            self._pending.pop(name, None)
         for name, local in snapshot.items():
             if name in self.plain or not local.is_floating_point():
                 out[name] = local
@@ -183,9 +188,8 @@ class OuterOptimizer:
                 new.add_(d_bar - c.lr * update)
             self.theta[name] = new
             if name in self._pending:
-                self.residual[name] = self._pending[name]
+                self.residual[name] = self._pending.pop(name)
             out[name] = new.to(mean.dtype)
-        self._pending = {}
         return out
 
     # ----- Δ on the wire (`deltawire.py`) ------------------------------------------------------
@@ -197,7 +201,9 @@ class OuterOptimizer:
         """
         c = self.config
         out: dict[str, Tensor] = {}
-        self._pending, self.payload_bytes = {}, 0
+        self.payload_bytes = 0
+        for name in snapshot:  # only these names: another fragment's sync may be running
+            self._pending.pop(name, None)
         for name, local in snapshot.items():
             if name not in self.theta:
                 logger.warning("outer optimizer: %s had no anchor; anchored at its current value", name)
@@ -241,11 +247,10 @@ class OuterOptimizer:
                 new = self.theta[name] - c.lr * update
             self.theta[name] = new
             if name in self._pending:
-                self.residual[name] = self._pending[name]
+                self.residual[name] = self._pending.pop(name)
             elif c.error_feedback and lost is not None and name in lost:
                 self.residual[name] = lost[name].to(torch.float32).clone()
             out[name] = new.to(mean.dtype)
-        self._pending = {}
         return out
 
     # ----- moving with the stage state -----------------------------------------------------------
@@ -324,7 +329,6 @@ class OuterAverager(Averager):
             return await super().run_round(round_index, wait_for_all=wait_for_all, ring_ids=ring_ids)
         finally:
             self._closing = False
-            self._lost = {}
 
     async def _all_reduce(
         self,
@@ -350,9 +354,13 @@ class OuterAverager(Averager):
     async def _outgoing(self, snapshot: dict[str, Tensor]) -> Mapping[str, Tensor]:
         if self._closing:
             return snapshot
-        outgoing = self.outer.outgoing if self.outer.wire is None else self.outer.outgoing_deltas
-        out = await run_in_compute_thread(outgoing, snapshot)
-        self.payload_bytes.append(self.outer.payload_bytes)
+        outer = self.outer
+        outgoing = outer.outgoing if outer.wire is None else outer.outgoing_deltas
+        for name in snapshot:  # the names of this sync only: fragments' syncs may overlap
+            self._lost.pop(name, None)
+        # the bytes read on the compute thread with the call: another fragment's cannot come between
+        out, nbytes = await run_in_compute_thread(lambda: (outgoing(snapshot), outer.payload_bytes))
+        self.payload_bytes.append(nbytes)
         return out
 
     async def _incoming(self, averaged: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -360,4 +368,5 @@ class OuterAverager(Averager):
             return averaged
         if self.outer.wire is None:
             return await run_in_compute_thread(self.outer.step, averaged)
-        return await run_in_compute_thread(self.outer.step_deltas, averaged, self._lost)
+        lost = {n: self._lost.pop(n) for n in averaged if n in self._lost}
+        return await run_in_compute_thread(self.outer.step_deltas, averaged, lost)
