@@ -26,6 +26,14 @@ and subtracting from θ_outer rounds differently), and the ring's fp32 sum costs
 Do not combine the outer optimizer with the ring's own lossy `compression` (fp16 of P is ~1e-3 of θ,
 far more than a small Δ): compress Δ here instead.
 
+Compressed Δ travels encoded (`deltawire.py`). With a codec the rings average Δ itself, not P: each
+member hands the ring c = Δ + residual (top-k: its kept entries, the rest into the residual), the ring
+re-quantises at every hop (int8/int4) or sums sparse parts exactly (top-k), and returns the same Δ̄
+bits to every member; the step is then θ_outer ← θ_outer - lr·u. What the ring's roundings at this
+member dropped (`RingAllReduce.all_reduce(errors=)`) is its next residual, so the sum over members
+and syncs loses nothing for good. Buffers then get an anchor too and take anchor - Δ̄ (the ring carries
+only Δ, and a running mean quantised as an absolute value would swamp the Δ sharing its block).
+
 Buffers (BatchNorm statistics) are not parameters: they are averaged plainly (P = θ_local, θ ← P̄),
 never stepped with momentum (an overshoot could make a running variance negative).
 
@@ -259,7 +267,7 @@ class OuterOptimizer:
         out = {}
         for slot, table in zip(_SLOTS, (self.theta, self.momentum, self.residual), strict=True):
             for name, value in table.items():
-                if (names is None or name in names) and name not in self.plain:
+                if names is None or name in names:  # buffers' anchors too (a Δ codec gives them one)
                     out[f"{OUTER_PREFIX}{name}/{slot}"] = value.clone()
         return out
 

@@ -265,7 +265,8 @@ class ReplicaAverager:
         """
         if self.outer is None:
             raise ValueError("this job has no outer optimizer")
-        shapes = {n: p.shape for n, p in self.executor.parameters_by_name().items()}
+        held = {**self.executor.parameters_by_name(), **self.executor.buffers_by_name()}
+        shapes = {n: p.shape for n, p in held.items()}
         self.outer.import_state(tensors, shapes=shapes)
 
     async def aclose(self) -> None:
