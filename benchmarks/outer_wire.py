@@ -35,9 +35,6 @@ from ravnest_p2p.transport import FakeNetwork, RpcEndpoint
 
 __all__ = ["WireTrace", "train_over_rings"]
 
-# cluster c cuts its model (Sequential indices 0, 2, 4, 6 hold parameters) before layer CUTS[c % 3]
-CUTS = (2, 4, 6)
-
 
 @dataclass
 class WireTrace:
@@ -65,8 +62,9 @@ async def _train(
     gens = [torch.Generator().manual_seed(i) for i in range(num_replicas)]
     named = [dict(m.named_parameters()) for m in models]
     clusters, owner = [], {}
-    for c in range(num_replicas):
-        cut = CUTS[c % len(CUTS)]
+    layers = sorted({_layer(n) for n in named[0]})
+    for c in range(num_replicas):  # cluster c's second stage starts at a different layer
+        cut = layers[1 + c % (len(layers) - 1)] if len(layers) > 1 else layers[0] + 1
         stages = []
         for s in range(2):
             peer = f"c{c}s{s}"
