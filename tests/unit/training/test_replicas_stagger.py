@@ -2,6 +2,9 @@
 
 import asyncio
 
+import pytest
+
+from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.replicas import FINAL_ROUND, ReplicaAverager
 from ravnest_p2p.utils import TaskOwner
 
@@ -32,3 +35,13 @@ async def test_fragments_start_in_turn_overlap_each_other_and_a_busy_one_skips()
     await replicas.on_step(100)  # the closing round waits for every fragment's sync, then all rings
     assert ran[-1] == (FINAL_ROUND, None)
     await replicas._tasks.aclose()
+
+
+def test_jobspec_staggered_syncs_need_a_step_period_at_least_the_fragment_count():
+    job = JobSpec.model_validate({"averaging_period_steps": 50, "outer_optimizer": {"num_fragments": 4}})
+    assert job.outer_optimizer is not None
+    assert job.outer_optimizer.num_fragments == 4
+    with pytest.raises(ValueError, match="must not exceed"):
+        JobSpec.model_validate({"averaging_period_steps": 3, "outer_optimizer": {"num_fragments": 4}})
+    with pytest.raises(ValueError, match="by step"):
+        JobSpec.model_validate({"averaging_period_s": 10.0, "outer_optimizer": {"num_fragments": 2}})
