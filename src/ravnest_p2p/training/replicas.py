@@ -158,8 +158,11 @@ class ReplicaAverager:
         # before the first round: only this map's ring members may open early streams to us
         self.rings.expect(self.shard_map)
         if self.outer is not None:  # the anchor: the weights training starts from (or imported ones)
-            params = self.executor.parameters_by_name
-            await run_in_compute_thread(lambda: self.outer.initialise(params()))  # type: ignore[union-attr]
+            # buffers too: with a Δ codec they travel as anchor - value (`averaging/outer.py`), and the
+            # anchor must be the same at every replica (the start, built from the job's seed)
+            executor = self.executor
+            held = lambda: {**executor.parameters_by_name(), **executor.buffers_by_name()}  # noqa: E731
+            await run_in_compute_thread(lambda: self.outer.initialise(held()))  # type: ignore[union-attr]
         await self.rings.start()
         if self.period_s > 0:
             self._tasks.spawn(self._clock(), name="clock")
