@@ -135,6 +135,13 @@ class JobSpec(_Config):
     def _outer_needs_a_period(self) -> JobSpec:
         if self.outer_optimizer is not None and not (self.averaging_period_steps or self.averaging_period_s):
             raise ValueError("outer_optimizer needs averaging_period_steps (H) or averaging_period_s")
+        fragments = 1 if self.outer_optimizer is None else self.outer_optimizer.num_fragments
+        if fragments > 1 and not self.averaging_period_steps:
+            raise ValueError(
+                "outer_optimizer.num_fragments > 1 staggers syncs by step: set averaging_period_steps"
+            )
+        if fragments > (self.averaging_period_steps or fragments):
+            raise ValueError("outer_optimizer.num_fragments must not exceed averaging_period_steps (H)")
         return self
 
     @model_validator(mode="after")
