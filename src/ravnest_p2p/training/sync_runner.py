@@ -17,7 +17,9 @@ the job with the owner's count of gradients (e.g. fewer than N workers alive).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -48,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 _WAIT_S = 15.0  # one push's reply is held at most this long; the step deadline bounds the retries
 _LINGER_S = 30.0  # an owner serves its final shard until every live worker has it, at most this long
+_LINGER_CHECK_S = 3.0  # while lingering, the workers still missing a final shard are pinged this often
 _FINAL_METRICS_S = 30.0
 
 
@@ -113,7 +116,9 @@ class SyncBackupRunner:
         self.loss: float | None = None
         self.late = 0  # this worker's gradients dropped as late
         self.step_times_s: list[float] = []
+        self.gradient_times_s: list[float] = []  # compute thread time of each gradient (no waiting)
         self.compute_s = 0.0
+        self.train_s = 0.0  # wall time of the training loop (start barrier, evaluation, linger excluded)
         self.eval_loss: float | None = None
         self.eval_accuracy: float | None = None
         self._done = False
@@ -139,6 +144,7 @@ class SyncBackupRunner:
                 self.eval_loss,
                 self.eval_accuracy,
             )
+            logger.info("sync timing %s", json.dumps(self.timing()))
             self._done = True
             await self._linger()
         except asyncio.CancelledError:
@@ -190,13 +196,20 @@ class SyncBackupRunner:
 
     async def _train(self) -> None:
         self._started = time.monotonic()
+        try:
+            await self._steps()
+        finally:
+            self.train_s = time.monotonic() - self._started
+
+    async def _steps(self) -> None:
         while self.step < self.final_version and not self.stop_requested.is_set():
             began = time.monotonic()
             step = self.step
             data_step = self.iterations if self.is_async else step
             loss, grads = await run_in_compute_thread(self._gradient, data_step)
             self.iterations += 1
-            self.compute_s += time.monotonic() - began
+            self.gradient_times_s.append(time.monotonic() - began)
+            self.compute_s += self.gradient_times_s[-1]
             self.loss = loss
             replies = await asyncio.gather(
                 *(self._exchange(shard, step, grads) for shard in range(len(self.layout.shards)))
@@ -306,11 +319,23 @@ class SyncBackupRunner:
         }
 
     async def _linger(self) -> None:
-        """Serve our final shards until every live worker has them (bounded by `_LINGER_S`)."""
-        if self.stop_requested.is_set() or self.owners.all_final_sent():
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.owners.all_final.wait(), _LINGER_S)
+        """Serve our final shards until every live worker has them (bounded by `_LINGER_S`).
+
+        A worker killed mid-run that owned nothing was never declared dead (nobody had to reach it):
+        every few seconds the workers still missing a final shard are pinged, and the silent ones join
+        the dead set, so the job ends without waiting the whole linger for them.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _LINGER_S
+        while not self.stop_requested.is_set() and not self.owners.all_final_sent():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.owners.all_final.wait(), min(_LINGER_CHECK_S, remaining))
+            missing = self.owners.missing_final()
+            if missing:
+                await asyncio.gather(*(self.owners.confirm_dead(p) for p in missing))
 
     # ----- compute (the compute thread) -------------------------------------------------------------
     def _gradient(self, step: int) -> tuple[float, dict[str, Tensor]]:
@@ -340,6 +365,28 @@ class SyncBackupRunner:
         return total / max(1, count), correct / max(1, count)
 
     # ----- reporting --------------------------------------------------------------------------------
+    def timing(self) -> dict[str, Any]:
+        """This worker's timing and its owned shards' counters (logged once at the end, for benchmarks)."""
+        staleness: collections.Counter[int] = collections.Counter()
+        dropped: collections.Counter[str] = collections.Counter()
+        for owner in self.owners.owned.values():
+            staleness.update(owner.staleness)
+            dropped.update(owner.dropped)
+        return {
+            "job_id": self.job.job_id,
+            "peer_id": self.rpc.peer_id,
+            "worker": self.index,
+            "steps": self.step,
+            "iterations": self.iterations,
+            "late": self.late,
+            "train_s": round(self.train_s, 4),
+            "gradient_times_s": [round(t, 4) for t in self.gradient_times_s],
+            "shards_owned": sorted(self.owners.owned),
+            "staleness": {str(k): v for k, v in sorted(staleness.items())},
+            "dropped": dict(dropped),
+            "eval_accuracy": self.eval_accuracy,
+        }
+
     def metrics(self) -> StageMetrics:
         wall_s = time.monotonic() - self._started
         return StageMetrics(
