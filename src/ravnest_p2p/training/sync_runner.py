@@ -17,7 +17,6 @@ the job with the owner's count of gradients (e.g. fewer than N workers alive).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import logging
@@ -33,12 +32,13 @@ from ravnest_p2p.errors import InvalidMessage, RavnestError, RemoteError, Transp
 from ravnest_p2p.models import build_model, get_model_spec, make_loss, parse_config
 from ravnest_p2p.strategies.sync_layout import SyncLayout
 from ravnest_p2p.training.job import JobSpec
-from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics
+from ravnest_p2p.training.metrics import StageMetrics
 from ravnest_p2p.training.progress import JobProgress, ProgressStore, publish_progress
 from ravnest_p2p.training.resume import HeldState
 from ravnest_p2p.training.role import StageRole
 from ravnest_p2p.training.stages import load_dataset
 from ravnest_p2p.training.sync_owners import OwnerService
+from ravnest_p2p.training.sync_report import evaluate, store_metrics, timing_record
 from ravnest_p2p.training.sync_shard import SyncBatches, sync_final_step
 from ravnest_p2p.training.sync_wire import SYNC_PUSH, ReplyKind, SyncPush, SyncReply, check_tensors
 from ravnest_p2p.transport.rpc import CallContext, Reply, RpcEndpoint
@@ -144,7 +144,7 @@ class SyncBackupRunner:
                 self.eval_loss,
                 self.eval_accuracy,
             )
-            logger.info("sync timing %s", json.dumps(self.timing()))
+            logger.info("sync timing %s", json.dumps(timing_record(self)))
             self._done = True
             await self._linger()
         except asyncio.CancelledError:
@@ -349,43 +349,9 @@ class SyncBackupRunner:
             grads[name] = param.grad.detach().clone() if param.grad is not None else torch.zeros_like(param)
         return float(loss.detach()), grads
 
-    @torch.no_grad()
+    # ----- reporting (`training.sync_report`) -------------------------------------------------------
     def _evaluate(self) -> tuple[float, float]:
-        self.model.eval()
-        total, correct, count = 0.0, 0, 0
-        size = self.job.eval_batch_size
-        for start in range(0, len(self.held_out), size):
-            inputs = self.held_out.inputs[start : start + size]
-            labels = self.held_out.labels[start : start + size]
-            output = self.model(inputs)
-            total += float(self.loss_fn(output, labels)) * labels.shape[0]
-            if output.is_floating_point() and not labels.is_floating_point():
-                correct += int((output.argmax(dim=-1) == labels).sum())
-            count += int(labels.shape[0])
-        return total / max(1, count), correct / max(1, count)
-
-    # ----- reporting --------------------------------------------------------------------------------
-    def timing(self) -> dict[str, Any]:
-        """This worker's timing and its owned shards' counters (logged once at the end, for benchmarks)."""
-        staleness: collections.Counter[int] = collections.Counter()
-        dropped: collections.Counter[str] = collections.Counter()
-        for owner in self.owners.owned.values():
-            staleness.update(owner.staleness)
-            dropped.update(owner.dropped)
-        return {
-            "job_id": self.job.job_id,
-            "peer_id": self.rpc.peer_id,
-            "worker": self.index,
-            "steps": self.step,
-            "iterations": self.iterations,
-            "late": self.late,
-            "train_s": round(self.train_s, 4),
-            "gradient_times_s": [round(t, 4) for t in self.gradient_times_s],
-            "shards_owned": sorted(self.owners.owned),
-            "staleness": {str(k): v for k, v in sorted(staleness.items())},
-            "dropped": dict(dropped),
-            "eval_accuracy": self.eval_accuracy,
-        }
+        return evaluate(self.model, self.held_out, self.loss_fn, self.job.eval_batch_size)
 
     def metrics(self) -> StageMetrics:
         wall_s = time.monotonic() - self._started
@@ -433,19 +399,7 @@ class SyncBackupRunner:
                 reason="done" if self._done else self._failure,
             )
             await publish_progress(self.dht, record, final=True)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (_FINAL_METRICS_S if final else 0.0)
-        while True:
-            try:
-                stored = await self.dht.store_own(
-                    METRICS_KEY, metrics.model_dump(mode="json"), ttl_s=600, pin_to_initial_peers=final
-                )
-            except Exception as exc:
-                stored = False
-                logger.debug("metrics publication failed: %r", exc)
-            if stored or loop.time() + 0.5 > deadline:
-                return
-            await asyncio.sleep(0.5)  # retry backoff, bounded by the deadline
+        await store_metrics(self.dht, metrics, final=final, retry_for_s=_FINAL_METRICS_S)
 
     async def _metrics_loop(self) -> None:
         while True:
