@@ -1,6 +1,6 @@
 """End to end, sync_backup: SIGKILL of workers mid-run, on real peer processes, from `RunClient` to done.
 
-Five peer CLI processes (and a stock hivemind-dht bootstrap) run a sync_backup job (N = 2, b = 2, three
+Five peer CLI processes (and a stock hivemind-dht bootstrap) run a sync_backup job (N = 2, b = 3, three
 parameter shards, so two workers own none). Mid-run the test SIGKILLs the process group of a worker that
 owns no shard: the steps go on without it (the owners count the first N of the others), and at the end the
 owners, finding it silent, declare it dead instead of waiting for it. Later it SIGKILLs a shard owner: the
@@ -49,7 +49,7 @@ def kill_job(workers: list[str]) -> JobSpec:
         optimizer=OptimizerConfig(name="adam", lr=3e-3),
         mode="sync_backup",
         sync_backup=SyncBackupConfig(
-            num_required=2, num_backup=2, num_shards=3, step_timeout_s=90, owner_ping_timeout_s=6
+            num_required=2, num_backup=3, num_shards=3, step_timeout_s=90, owner_ping_timeout_s=6
         ),
         assignment=tuple((StagePlacement(peer_id=w, first_layer=0, end_layer=len(model)),) for w in workers),
     )
