@@ -21,6 +21,7 @@ ALL = [
     "ist_theory",
     "ist_inprocess",
     "backup_workers_sim",
+    "bench_backup_lab",
     "bench_trust_cost",
 ]
 
