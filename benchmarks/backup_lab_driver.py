@@ -8,9 +8,9 @@ lab order; the straggler is one of them. Each run is one job on the same peers:
 - ``b0``: N = 4, b = 0: the straggler and the first three others (4 workers);
 - ``async``: the apply-on-arrival baseline on all 5 workers (as many gradients applied as ``b1``).
 
-With ``--straggler-owns no`` every run's job id gets a suffix chosen so that the straggler owns no
-parameter shard in that run's layout (an owner on a slow peer slows every step: a known limit of the
-layout, which does not weigh owners yet); ``yes`` picks a suffix where it owns one. Writes one JSON file.
+With ``--straggler-owns no`` (the default) the jobs name the fast workers as the only owner candidates
+(``sync_backup.owners``: an owner on a slow peer slows every step); with ``yes`` every worker may own, and
+the job id gets a suffix whose layout gives the straggler a shard. Writes one JSON file.
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ def run_workers(run: str, workers: list[str], straggler: str) -> list[str]:
     return list(workers)
 
 
-def pick_job_id(base: JobSpec, job_id: str, workers: list[str], straggler: str, owns: str) -> str:
-    """`job_id` plus the first suffix whose layout gives the straggler a shard (``yes``) or none (``no``)."""
+def pick_job_id(base: JobSpec, job_id: str, workers: list[str], straggler: str) -> str:
+    """`job_id` plus the first suffix whose layout gives the straggler a shard."""
     model = nn.Sequential(*build_model(base.model, base.model_params, seed=base.seed))
     sizes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}  # as the runner
     for suffix in range(1000):
         candidate = f"{job_id}-{suffix}"
         layout = SyncLayout.build(candidate, workers, sizes, base.sync_backup.num_shards)
-        if bool(layout.shards_of(straggler)) == (owns == "yes"):
+        if layout.shards_of(straggler):
             return candidate
     raise RuntimeError("no job id gives the wanted layout")
 
@@ -56,20 +56,20 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         await client.wait_for_peers(len(args.workers), timeout_s=180, measured=False)
         for index, name in enumerate(args.runs):
             workers = run_workers(name, args.workers, args.straggler)
+            fast = tuple(w for w in workers if w != args.straggler)
             sync = base.sync_backup.model_copy(
                 update={
                     "num_required": 4,
                     "num_backup": len(workers) - 4,
                     "aggregation": "async" if name == "async" else "sync",
+                    "owners": fast if args.straggler_owns == "no" else None,
                 }
             )
-            job_id = pick_job_id(
-                base.model_copy(update={"sync_backup": sync}),
-                f"{base.job_id}-{name}-{index}",
-                workers,
-                args.straggler,
-                args.straggler_owns,
-            )
+            job_id = f"{base.job_id}-{name}-{index}"
+            if args.straggler_owns == "yes":
+                job_id = pick_job_id(
+                    base.model_copy(update={"sync_backup": sync}), job_id, workers, args.straggler
+                )
             job = base.model_copy(
                 update={
                     "job_id": job_id,

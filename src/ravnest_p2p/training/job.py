@@ -165,6 +165,8 @@ class JobSpec(_Config):
                 f"sync_backup: {len(workers)} workers assigned, num_required + num_backup is "
                 f"{self.sync_backup.num_workers}"
             )
+        if self.sync_backup.owners is not None and not set(self.sync_backup.owners) <= set(workers):
+            raise ValueError("sync_backup: every peer of `owners` must be an assigned worker")
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

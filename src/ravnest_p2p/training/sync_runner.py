@@ -91,7 +91,9 @@ class SyncBackupRunner:
         self.model = nn.Sequential(*layers)
         self.params = dict(self.model.named_parameters())
         sizes = {name: p.numel() * p.element_size() for name, p in self.params.items()}
-        self.layout = SyncLayout.build(job.job_id, self.workers, sizes, job.sync_backup.num_shards)
+        self.layout = SyncLayout.build(
+            job.job_id, self.workers, sizes, job.sync_backup.num_shards, job.sync_backup.owners
+        )
         self.train, self.held_out = load_dataset(job)
         self.batches = SyncBatches(
             self.train, batch_size=job.batch_size, seed=job.seed, num_workers=len(self.workers)
