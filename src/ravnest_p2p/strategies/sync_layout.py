@@ -16,7 +16,7 @@ Choices.
   shard when one worker leaves.
 - Owner candidates: the job may restrict ownership to some workers (fast, well-connected peers): an
   owner on a slow peer delays every step's replies (measured on the lab: a straggler that owned one
-  of five shards made the step 1.73x the N-th order statistic instead of 1.17x). If every candidate
+  of five shards made the step 1.73x the N-th order statistic instead of 1.2x). If every candidate
   is dead, every live worker becomes a candidate again: a smaller set must never stop the job.
 - Batches: worker w at step t trains batch slot t·(N+b) + w of one seeded shuffle per data epoch, so
   with b = 0 the step's large batch is exactly the union of the N workers' batches (what the
