@@ -29,6 +29,8 @@ __all__ = ["evaluate", "store_metrics", "timing_record"]
 
 logger = logging.getLogger(__name__)
 
+_MAX_TIMES = 4096
+
 
 @torch.no_grad()
 def evaluate(
@@ -82,7 +84,8 @@ def timing_record(runner: SyncBackupRunner) -> dict[str, Any]:
         "iterations": runner.iterations,
         "late": runner.late,
         "train_s": round(runner.train_s, 4),
-        "gradient_times_s": [round(t, 4) for t in runner.gradient_times_s],
+        # the first ones only: one log line must stay small however long the job
+        "gradient_times_s": [round(t, 4) for t in runner.gradient_times_s[:_MAX_TIMES]],
         "shards_owned": sorted(runner.owners.owned),
         "staleness": {str(k): v for k, v in sorted(staleness.items())},
         "dropped": dict(dropped),
