@@ -32,6 +32,7 @@ from tests.e2e._config import FAST_MEMBERSHIP_PEER_CONFIG
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
+REPO = Path(__file__).resolve().parents[2]
 RUN_ID = "sync-kill-e2e"
 MODEL = {"in_features": 64, "hidden_features": [64], "out_features": 10}
 
@@ -77,8 +78,17 @@ def sigkill(peer: PeerProcess) -> None:
 async def test_sigkill_of_a_worker_and_of_a_shard_owner_mid_run(tmp_path: Path) -> None:
     config = tmp_path / "peer.toml"
     config.write_text(FAST_MEMBERSHIP_PEER_CONFIG)
+    # the peers run in tmp_path: import this checkout's package there too (a relative PYTHONPATH would
+    # not resolve, and the peers would run whatever the environment has installed)
+    path = os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH", "")) if p)
     with LocalSwarm(
-        5, run_id=RUN_ID, bootstrap="hivemind-dht", peer_args=["--config", str(config)], workdir=tmp_path
+        5,
+        run_id=RUN_ID,
+        bootstrap="hivemind-dht",
+        peer_args=["--config", str(config)],
+        workdir=tmp_path,
+        env={"PYTHONPATH": path},
+        startup_timeout_s=180,
     ) as swarm:
         by_id: dict[str, PeerProcess] = {p.peer_id: p for p in swarm.peers if p.peer_id}
         workers = list(by_id)
@@ -89,7 +99,7 @@ async def test_sigkill_of_a_worker_and_of_a_shard_owner_mid_run(tmp_path: Path) 
         owner = next(w for w in workers if layout.shards_of(w))
         survivors = [by_id[w] for w in workers if w not in (non_owner, owner)]
         async with await RunClient.connect(swarm.initial_peers, RUN_ID) as client:
-            await client.wait_for_peers(5, timeout_s=90, measured=False)
+            await client.wait_for_peers(5, timeout_s=180, measured=False)
             await client.publish_job(job)
 
             async def step_reached(step: int) -> bool:
