@@ -22,6 +22,7 @@ ALL = [
     "ist_inprocess",
     "ist_network",
     "backup_workers_sim",
+    "bench_backup_lab",
     "bench_trust_cost",
 ]
 

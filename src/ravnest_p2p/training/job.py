@@ -175,6 +175,8 @@ class JobSpec(_Config):
             raise ValueError(
                 f"{mode}: {len(workers)} workers assigned, the mode's section asks for {expected}"
             )
+        if self.sync_backup.owners is not None and not set(self.sync_backup.owners) <= set(workers):
+            raise ValueError("sync_backup: every peer of `owners` must be an assigned worker")
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

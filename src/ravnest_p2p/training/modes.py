@@ -51,6 +51,8 @@ class SyncBackupConfig(_Config):
             (e.g. fewer than N workers left alive), instead of hanging.
         owner_ping_timeout_s: an owner that does not answer a ping within this is declared dead, and its
             shards move to the next owner of the layout.
+        owners: the workers that may own shards (None: every worker). Keep slow peers out: an owner
+            on a slow peer slows every step. If all of them die, every live worker may own.
     """
 
     num_required: int = Field(default=1, ge=1, le=1024)
@@ -59,6 +61,7 @@ class SyncBackupConfig(_Config):
     aggregation: Literal["sync", "async"] = "sync"
     step_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
     owner_ping_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    owners: tuple[str, ...] | None = Field(default=None, min_length=1, max_length=1024)
 
     @property
     def num_workers(self) -> int:
