@@ -109,22 +109,25 @@ def write_results(numbers: dict) -> None:
     data[numbers["kind"]] = numbers  # keeps the first (cold) build's numbers beside the latest cached one
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     rows = [
-        "| build | build s | image MB | peers ready s | first step s | job s | accuracy | when (UTC) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| build | build s | image MB | peers ready s | first step s | job s | accuracy | load (1 min) "
+        "| when (UTC) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for kind in ("first", "cached"):
         if kind in data:
             n = data[kind]
             rows.append(
                 f"| {kind} | {n['build_s']:.0f} | {n['image_mb']:.0f} | {n['ready_s']:.0f} | "
-                f"{n['first_step_s']:.0f} | {n['train_s']:.0f} | {n['accuracy']:.1%} | {n['when']} |"
+                f"{n['first_step_s']:.0f} | {n['train_s']:.0f} | {n['accuracy']:.1%} | "
+                f"{n.get('load_1m', '-')} | {n['when']} |"
             )
     (RESULTS / "docker.md").write_text(
         "# Docker: the volunteer image and a 3-container compose swarm\n\n"
         "Written by `make docker-test` (`tests/docker/test_compose_swarm.py`). *first*: the image did not\n"
         "exist (the base image and build cache may have); *cached*: a rebuild with nothing changed. Times\n"
         "count from `compose up`; peers ready = 3 measured peers visible to the host's `RunClient`; job =\n"
-        "publish to done (digits CNN, 3-stage pipeline, 8 epochs). Measured on a shared 2-core host.\n\n"
+        "publish to done (digits CNN, 3-stage pipeline, 8 epochs). Measured on a shared 2-core host; load\n"
+        "(1 min) is the host's load average at the end of the run (other sessions' work included).\n\n"
         + "\n".join(rows)
         + "\n"
     )
@@ -157,6 +160,7 @@ def test_compose_swarm_trains_digits(daemon, tmp_path):
     assert not swarm.remaining()
     assert numbers["stages"] == 3
     numbers["when"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    numbers["load_1m"] = round(os.getloadavg()[0], 1)
     print(json.dumps(numbers))
     assert numbers["accuracy"] is not None
     assert numbers["accuracy"] >= 0.97, numbers
