@@ -46,6 +46,7 @@ class Daemon:
     def __init__(self, log_path: Path) -> None:
         self.log_path = log_path
         self.popen: subprocess.Popen[bytes] | None = None
+        self.made_bridge = False  # docker0 did not exist before our daemon: remove it afterwards
 
     def ensure(self, timeout_s: float = 60.0) -> None:
         if daemon_running():
@@ -53,6 +54,7 @@ class Daemon:
         dockerd = shutil.which("dockerd")
         if dockerd is None:
             raise RuntimeError("no Docker daemon is running and dockerd is not installed")
+        self.made_bridge = not Path("/sys/class/net/docker0").exists()
         with self.log_path.open("wb") as log:
             self.popen = subprocess.Popen(
                 [dockerd, *DOCKERD_FLAGS], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -69,15 +71,20 @@ class Daemon:
         return self.popen is not None
 
     def stop(self) -> None:
-        """Stop the daemon this object started (SIGTERM, then SIGKILL); a running one is left alone."""
-        if self.popen is None or self.popen.poll() is not None:
+        """Stop the daemon this object started (SIGTERM, then SIGKILL) and remove the docker0 bridge it
+        made; a daemon that was already running is left alone. (Like any dockerd, it leaves its iptables
+        chains behind.)"""
+        if self.popen is None:
             return
-        self.popen.send_signal(signal.SIGTERM)
-        try:
-            self.popen.wait(60)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(10)
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(60)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        if self.made_bridge and Path("/sys/class/net/docker0").exists():
+            subprocess.run(["ip", "link", "delete", "docker0"], capture_output=True, check=False)
 
 
 def compose_command() -> list[str]:
