@@ -47,6 +47,7 @@ class Daemon:
         self.log_path = log_path
         self.popen: subprocess.Popen[bytes] | None = None
         self.made_bridge = False  # docker0 did not exist before our daemon: remove it afterwards
+        self.host_net: HostNetState | None = None
 
     def ensure(self, timeout_s: float = 60.0) -> None:
         if daemon_running():
@@ -55,6 +56,7 @@ class Daemon:
         if dockerd is None:
             raise RuntimeError("no Docker daemon is running and dockerd is not installed")
         self.made_bridge = not Path("/sys/class/net/docker0").exists()
+        self.host_net = HostNetState()
         with self.log_path.open("wb") as log:
             self.popen = subprocess.Popen(
                 [dockerd, *DOCKERD_FLAGS], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -71,9 +73,8 @@ class Daemon:
         return self.popen is not None
 
     def stop(self) -> None:
-        """Stop the daemon this object started (SIGTERM, then SIGKILL) and remove the docker0 bridge it
-        made; a daemon that was already running is left alone. (Like any dockerd, it leaves its iptables
-        chains behind.)"""
+        """Stop the daemon this object started (SIGTERM, then SIGKILL), remove the docker0 bridge it made
+        and undo its iptables and forwarding changes; a daemon that was already running is left alone."""
         if self.popen is None:
             return
         if self.popen.poll() is None:
@@ -85,6 +86,35 @@ class Daemon:
                 self.popen.wait(10)
         if self.made_bridge and Path("/sys/class/net/docker0").exists():
             subprocess.run(["ip", "link", "delete", "docker0"], capture_output=True, check=False)
+        if self.host_net is not None:
+            self.host_net.restore()
+
+
+def _iptables(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["iptables", *args], capture_output=True, text=True, check=False)
+
+
+class HostNetState:
+    """What a dockerd changes in the host's network stack and leaves when it stops: IPv4 forwarding on,
+    the FORWARD policy DROP (when it had to turn forwarding on), and its iptables chains. Recorded before
+    our daemon starts, restored after it stops; only rules that name docker0 or a DOCKER chain go."""
+
+    def __init__(self) -> None:
+        self.ip_forward = Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
+        policy = [line for line in _iptables("-S", "FORWARD").stdout.splitlines() if line.startswith("-P")]
+        self.forward_policy = policy[0].split()[-1] if policy else "ACCEPT"
+
+    def restore(self) -> None:
+        for table in ("nat", "filter"):
+            rules = _iptables("-t", table, "-S").stdout.splitlines()
+            for rule in rules:
+                if rule.startswith("-A ") and ("DOCKER" in rule or "docker0" in rule):
+                    _iptables("-t", table, "-D", *rule.split()[1:])
+            for rule in rules:
+                if rule.startswith("-N DOCKER"):
+                    _iptables("-t", table, "-X", rule.split()[1])
+        _iptables("-P", "FORWARD", self.forward_policy)
+        Path("/proc/sys/net/ipv4/ip_forward").write_text(self.ip_forward)
 
 
 def compose_command() -> list[str]:
