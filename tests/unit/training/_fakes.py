@@ -55,7 +55,7 @@ class FakePlans:
         self.active_workload: str | None = None
         self.workloads: list[str] = []
 
-    def set_workload(self, key: str, job: JobParams, layers: list[Any]) -> None:
+    def set_workload(self, key: str, job: JobParams, layers: list[Any], *, serving: Any = None) -> None:
         self.workloads.append(key)
 
 
