@@ -12,7 +12,7 @@ from pathlib import Path
 
 # A model ("demo_mlp": two linear layers on 6 features, 3 classes) and a data set ("demo_blobs": three
 # seeded Gaussian blobs), the way a researcher would write them against the public API.
-DEMO_MODULE = '''
+DEMO_MODULE = """
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -62,7 +62,7 @@ def load_blobs(config, *, seed):
 
 def make_blobs():
     return DatasetSpec(name="demo_blobs", config_cls=BlobsConfig, load=load_blobs)
-'''
+"""
 
 DEMO_ENTRY_POINTS = {
     "ravnest_p2p.models": {"demo_mlp": "ravnest_demo_plugin:MODEL"},

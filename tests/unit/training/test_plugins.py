@@ -87,7 +87,9 @@ BROKEN = {
     "bad_loss": "ravnest_broken_plugin:BAD_LOSS",
     "fine": "ravnest_broken_plugin:FINE",
 }
-BROKEN_SOURCE = DEMO_MODULE.replace("ravnest_demo_plugin", "ravnest_broken_plugin") + '''
+BROKEN_SOURCE = (
+    DEMO_MODULE.replace("ravnest_demo_plugin", "ravnest_broken_plugin")
+    + """
 import dataclasses
 
 NOT_A_SPEC = {"key": "wrong_type"}
@@ -100,7 +102,8 @@ class LooseConfig(BaseModel):
 LOOSE = dataclasses.replace(MODEL, key="loose_config", config_cls=LooseConfig)
 BAD_LOSS = dataclasses.replace(MODEL, key="bad_loss", loss=lambda c: "hinge")
 FINE = dataclasses.replace(MODEL, key="fine")
-'''
+"""
+)
 
 
 def test_broken_plugins_are_skipped_with_a_reason_naming_them(install: Callable[..., Path]) -> None:
