@@ -90,7 +90,8 @@ async def test_jobs_train_on_a_text_file_and_on_a_saved_datasets_data_set(tmp_pa
                 assert all(m.done and m.step == 60 for m in last), last
                 firsts = [m for m in final if m.stage == 0]
                 print(
-                    f"{job.job_id}: held-out loss {[m.eval_loss for m in firsts]} (untrained ~{math.log(VOCAB):.2f})"
+                    f"{job.job_id}: held-out loss {[m.eval_loss for m in firsts]} "
+                    f"(untrained ~{math.log(VOCAB):.2f})"
                 )
                 assert all(m.eval_loss is not None and m.eval_loss < 0.5 * math.log(VOCAB) for m in firsts), (
                     job.job_id,

@@ -182,7 +182,7 @@ def test_planning_leaves_out_peers_that_do_not_serve_the_job() -> None:
     ("fields", "match"),
     [
         ({"plugin_models": ("has space",)}, "plugin_models"),
-        ({"plugin_models": tuple(f"m{i}" for i in range(17))}, "plugin_models"),
+        ({"plugin_models": tuple(f"m{i}" for i in range(9))}, "plugin_models"),
         ({"plugin_datasets": ("x" * 49,)}, "plugin_datasets"),
         ({"unfit_reason": "x" * 201}, "unfit_reason"),
         ({"unfit_job": "bad job id"}, "unfit_job"),
