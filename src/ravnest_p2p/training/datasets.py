@@ -262,6 +262,15 @@ def _load_cached(name: str, unpinned_json: str, seed: int) -> tuple[ArrayDataset
     return train, held_out, data_digest(train, held_out)
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(name: str) -> bool:
+    first = name not in _warned
+    _warned.add(name)
+    return first
+
+
 def load_job_data(job: JobSpec) -> tuple[ArrayDataset, ArrayDataset]:
     """(train, held-out) of the job's data set, checked against the digest the job pins (if any).
 
@@ -276,7 +285,7 @@ def load_job_data(job: JobSpec) -> tuple[ArrayDataset, ArrayDataset]:
             f"data set {job.dataset!r}: this peer's data has digest {digest[:16]}…, the job pins "
             f"{str(pinned)[:16]}… (its files, tokenizer or library versions differ from the researcher's)"
         )
-    if pinned is None and "sha256" in type(config).model_fields:
+    if pinned is None and "sha256" in type(config).model_fields and _warn_once(job.dataset):
         logger.warning(
             "data set %r is not pinned (sha256): peers cannot check they hold the same data", job.dataset
         )

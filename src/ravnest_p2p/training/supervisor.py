@@ -237,6 +237,8 @@ class JobSupervisor:
                     await run_in_compute_thread(load_job_data, job)
                 except ValueError as exc:
                     reason = f"data: {exc}"
+                except Exception as exc:  # a plugin's loader may raise anything: this peer just cannot serve
+                    reason = f"data: {type(exc).__name__}: {exc}"
             self._fitness_of = key
             unfit = (job.job_id, reason[:200]) if reason is not None else None
             if unfit != self.unfit:

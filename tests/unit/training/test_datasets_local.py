@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from ravnest_p2p.training.datasets import load_job_data, parse_dataset_config, pin_digest
+from ravnest_p2p.training.datasets import (
+    load_job_data,
+    parse_dataset_config,
+    pin_digest,
+    reload_dataset_plugins,
+)
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.tokenize import ByteTokenizer, CharTokenizer, HFTokenizer, encode
 
@@ -92,19 +98,31 @@ def test_numpy_arrays_from_npz_and_npy(tmp_path: Path) -> None:
         )
 
 
-def _save_hf(tmp_path: Path) -> Path:
-    datasets = pytest.importorskip("datasets")
-    train = datasets.Dataset.from_dict(
-        {
-            "text": [TEXT[i : i + 90] for i in range(0, 1500, 90)],
-            "f": [[i, i + 1] for i in range(17)],
-            "y": [i % 2 for i in range(17)],
-        }
-    )
-    test = datasets.Dataset.from_dict({"text": [TEXT[:300]], "f": [[0, 1]], "y": [1]})
-    path = tmp_path / "saved"
-    datasets.DatasetDict({"train": train, "test": test}).save_to_disk(str(path))
+def _save_like_datasets(path: Path, splits: dict[str, dict[str, list[object]]]) -> Path:
+    """The layout ``DatasetDict.save_to_disk`` writes (importing ``datasets`` takes seconds; the slow
+    tests/integration/training/test_local_data_jobs.py uses the real thing)."""
+    pa = pytest.importorskip("pyarrow")
+    path.mkdir()
+    (path / "dataset_dict.json").write_text(json.dumps({"splits": list(splits)}))
+    for name, columns in splits.items():
+        (path / name).mkdir()
+        table = pa.table(columns)
+        sink = pa.OSFile(str(path / name / "data-00000-of-00001.arrow"), "wb")
+        with sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        state = {"_data_files": [{"filename": "data-00000-of-00001.arrow"}], "_split": name}
+        (path / name / "state.json").write_text(json.dumps(state))
     return path
+
+
+def _save_hf(tmp_path: Path) -> Path:
+    train = {
+        "text": [TEXT[i : i + 90] for i in range(0, 1500, 90)],
+        "f": [[i, i + 1] for i in range(17)],
+        "y": [i % 2 for i in range(17)],
+    }
+    test = {"text": [TEXT[:300]], "f": [[0, 1]], "y": [1]}
+    return _save_like_datasets(tmp_path / "saved", {"train": train, "test": test})
 
 
 def test_a_saved_datasets_data_set_is_read_without_the_library(tmp_path: Path) -> None:
@@ -145,9 +163,9 @@ def test_the_pinned_digest_is_checked_on_every_peer(tmp_path: Path) -> None:
     assert len(digest) == 64
     load_job_data(pinned)  # the same files: fine
     (tmp_path / "a.txt").write_text(TEXT.upper())  # another peer's copy differs
-    other = pinned.model_copy(update={"dataset_config": {**pinned.dataset_config, "val_fraction": 0.1}})
+    reload_dataset_plugins()  # (and forget the data this process loaded)
     with pytest.raises(ValueError, match=r"this peer's data has digest .* the job pins "):
-        load_job_data(other)
+        load_job_data(pinned)
 
 
 @pytest.mark.parametrize(

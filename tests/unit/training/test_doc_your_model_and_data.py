@@ -32,7 +32,10 @@ def test_the_plugin_example_passes_validation() -> None:
     exec(compile(BLOCKS[1], "job example", "exec"), {})
 
 
-@pytest.mark.parametrize("index", [2, 3])
+@pytest.mark.parametrize(
+    "index",
+    [2, pytest.param(3, marks=pytest.mark.slow)],  # 3 imports `datasets`: seconds on a busy host
+)
 def test_the_local_data_examples_run(index: int, capsys: pytest.CaptureFixture[str]) -> None:
     if index == 3:
         pytest.importorskip("datasets")
