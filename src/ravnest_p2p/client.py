@@ -147,9 +147,18 @@ class RunClient:
                 raise TimeoutError(f"only {len(records)} of {count} peers ready after {timeout_s:.0f}s")
             await asyncio.sleep(1.0)
 
-    def plan(self, records: Sequence[PeerRecord], job: JobSpec, *, min_stages: int | None = None) -> JobSpec:
-        """The job with an explicit assignment computed by the planner over `records`."""
-        return job.model_copy(update={"assignment": plan_assignment(records, job, min_stages=min_stages)})
+    def plan(
+        self,
+        records: Sequence[PeerRecord],
+        job: JobSpec,
+        *,
+        min_stages: int | None = None,
+        use_links: bool = True,
+    ) -> JobSpec:
+        """The job with an explicit assignment computed by the planner over `records`, with the link
+        matrix their records report (`use_links=False`: each peer's own up/down figures only)."""
+        assignment = plan_assignment(records, job, min_stages=min_stages, use_links=use_links)
+        return job.model_copy(update={"assignment": assignment})
 
     @property
     def peer_id(self) -> str:
@@ -322,7 +331,7 @@ class RunClient:
 
         def on_progress(snapshot: ProgressSnapshot) -> None:
             summary = summarize(snapshot, job.job_id)
-            history.add(summary)
+            history.add(summary, metrics=snapshot)
             renderer.update(history, summary)
 
         history.final = await self.wait_for_job(
