@@ -18,6 +18,7 @@ from ravnest_p2p.discovery import OWNERS_KEY, OwnersRecord, PeerDirectory, PeerR
 from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.membership import DhtPlanBoard
 from ravnest_p2p.training.checkpoint import load_checkpoint
+from ravnest_p2p.training.datasets import check_job
 from ravnest_p2p.training.handover import HandoverServer, StaticSource
 from ravnest_p2p.training.job import InitCheckpoint, JobSpec
 from ravnest_p2p.training.jobs import JOB_KEY, read_job, read_job_signed
@@ -170,9 +171,15 @@ class RunClient:
     async def publish_job(self, job: JobSpec, *, ttl_s: float = 3600.0) -> None:
         """Publish `job`. With an assignment it runs there; without, on the peers' agreed plan.
 
-        Peers of an owned run train it only if this client is the owner or a key the owner lists.
+        Peers of an owned run train it only if this client is the owner or a key the owner lists. The
+        job's model and data set must be known here too (a plugin: install it on this machine as well);
+        pin a local data set's digest first (`training.datasets.pin_digest`) so peers refuse other data.
+
+        Raises:
+            ValueError: unknown model or data set, or a config that does not validate.
         `ttl_s` may not exceed the ``job`` key's maximum (one day): republish to run longer.
         """
+        check_job(job)  # its model and data set exist (built-in or installed plugin), configs validate
         max_ttl_s = self.dht.max_ttl_s(JOB_KEY)
         if max_ttl_s is not None and ttl_s > max_ttl_s:
             raise ValueError(f"a job's ttl_s is at most {max_ttl_s:.0f} s (got {ttl_s:.0f})")

@@ -40,6 +40,7 @@ from ravnest_p2p.training.handover import HandoverServer
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.mode_runner import start_mode_runner
 from ravnest_p2p.training.placement import job_params, layer_profiles
+from ravnest_p2p.training.plugins import advertised_plugins
 from ravnest_p2p.training.role import StageRole
 from ravnest_p2p.training.run_keys import run_keys
 from ravnest_p2p.training.runner import StageRunner
@@ -123,13 +124,15 @@ class PeerStatus:
     upload_mbps: float
     download_mbps: float
     rtt_ms: float | None
+    unfit: str | None = None  # "job <id>: why this peer cannot serve it"
 
     def line(self) -> str:
         rtt = f"{self.rtt_ms:.1f} ms" if self.rtt_ms is not None else "-"
-        return (
+        line = (
             f"state={self.state} peers={self.num_peers_seen} compute={self.flops / 1e9:.1f} GFLOP/s "
             f"up={self.upload_mbps:.1f} Mbit/s down={self.download_mbps:.1f} Mbit/s rtt={rtt}"
         )
+        return line + (f" cannot-serve: {self.unfit}" if self.unfit else "")
 
 
 class Peer:
@@ -156,6 +159,7 @@ class Peer:
         self.state = PeerState.JOINING
         self.flops = 0.0
         self._maddrs: list[str] = []
+        self._plugins = advertised_plugins()
         self._tasks = TaskOwner(f"peer-{transport.peer_id[-6:]}")
         self._closed = False
         self.supervisor = JobSupervisor(
@@ -171,6 +175,7 @@ class Peer:
             alive=lambda: set(self.directory.peers),  # draining peers still serve their state
             prepare=self._prepare,
             on_state=self._set_state,
+            on_unfit=self.announcer.refresh_soon,
         )
 
     @classmethod
@@ -352,6 +357,7 @@ class Peer:
             down = min(down, emulate.download_mbps or down)
         links = self._published_links()
         epoch, cluster, stage = self.membership.position() if self.membership else (0, None, None)
+        unfit_job, unfit_reason = self.supervisor.unfit or (None, None)
         return PeerRecord(
             peer_id=self.peer_id,
             maddrs=tuple(self._maddrs),
@@ -370,6 +376,10 @@ class Peer:
             run_owner=self.config.run_owner,
             updated_at=dht_time(),
             links=links,
+            plugin_models=self._plugins[0],
+            plugin_datasets=self._plugins[1],
+            unfit_job=unfit_job,
+            unfit_reason=unfit_reason,
         )
 
     def status(self) -> PeerStatus:
@@ -382,6 +392,9 @@ class Peer:
             upload_mbps=up,
             download_mbps=down,
             rtt_ms=rtt,
+            unfit=f"job {self.supervisor.unfit[0]}: {self.supervisor.unfit[1]}"
+            if self.supervisor.unfit
+            else None,
         )
 
     async def aclose(self, *, drain: bool = True) -> None:

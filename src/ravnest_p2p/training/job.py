@@ -9,9 +9,9 @@ and benchmarks that must pin the layout.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from ravnest_p2p.averaging.outer import OuterOptimizerConfig
 from ravnest_p2p.runtime.optim import OptimizerConfig
@@ -20,7 +20,10 @@ from ravnest_p2p.transport.codec import Compression
 
 __all__ = ["DatasetName", "InitCheckpoint", "JobSpec", "StagePlacement"]
 
-DatasetName = Literal["digits", "char_corpus", "synthetic_classification", "synthetic_regression"]
+# A built-in data set (`training.datasets.BUILTIN_DATASETS`) or a plugin's. Only the form is checked here:
+# a peer that lacks a plugin must still parse the job to say so; `training.datasets.check_job` checks the
+# name against what is installed where the job is built, `missing_parts` where a peer decides to serve it.
+DatasetName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z][A-Za-z0-9_.-]{0,47}$")]
 
 
 class _Config(BaseModel):
@@ -65,7 +68,8 @@ class JobSpec(_Config):
     Attributes:
         job_id: names the job in metrics and checkpoints.
         model / model_params: registry key and its config (see `ravnest_p2p.models`).
-        dataset / dataset_config: built-in data set and its options (e.g. ``block_size`` for text).
+        dataset / dataset_config: data set name (built-in, local source or plugin) and its config (see
+            `training.datasets`, docs/your-model-and-data.md).
         batch_size: samples per micro-batch.
         num_epochs: passes over each cluster's shard of the data.
         max_steps: cap on micro-batches per cluster (None: the epochs decide).

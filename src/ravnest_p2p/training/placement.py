@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ravnest_p2p.discovery.records import PeerRecord
+from ravnest_p2p.discovery.records import PeerRecord, Serving
 from ravnest_p2p.models import build_model, profile_layers, sample_input
+from ravnest_p2p.models.registry import BUILTIN_MODELS
 from ravnest_p2p.planning import JobParams, LinkMatrix, LinkReport, PeerCapacity, Plan, make_plan
 from ravnest_p2p.planning.window import planning_window
+from ravnest_p2p.training.datasets import BUILTIN_DATASETS
 from ravnest_p2p.training.job import JobSpec, StagePlacement
 from ravnest_p2p.types import LayerProfile, PeerState
 
@@ -22,6 +24,7 @@ __all__ = [
     "assignment_from_plan",
     "capacities_from_records",
     "job_params",
+    "job_serving",
     "layer_profiles",
     "links_from_records",
     "plan_assignment",
@@ -39,11 +42,16 @@ def layer_profiles(job: JobSpec) -> list[LayerProfile]:
     return profile_layers(layers, sample_input(job.model, job.model_params), optimizer=optimizer)
 
 
-def capacities_from_records(records: Sequence[PeerRecord]) -> list[PeerCapacity]:
-    """Peers that can train (ready or training, reachable, measured compute) as planner inputs."""
+def capacities_from_records(
+    records: Sequence[PeerRecord], *, serving: Serving | None = None
+) -> list[PeerCapacity]:
+    """Peers that can train (ready or training, reachable, measured compute, serving the job's plugins
+    if `serving` is given) as planner inputs."""
     out = []
     for r in records:
         if r.state not in (PeerState.READY, PeerState.TRAINING) or r.client_mode or r.flops <= 0:
+            continue
+        if serving is not None and not serving.met_by(r):
             continue
         up = r.upload_mbps or _DEFAULT_LINK_MBPS
         down = r.download_mbps or _DEFAULT_LINK_MBPS
@@ -57,6 +65,15 @@ def capacities_from_records(records: Sequence[PeerRecord]) -> list[PeerCapacity]
             )
         )
     return out
+
+
+def job_serving(job: JobSpec) -> Serving:
+    """What `job` needs of a peer: the plugin model/data set it names (built-ins every peer has)."""
+    return Serving(
+        job_id=job.job_id,
+        plugin_models=frozenset({job.model} - BUILTIN_MODELS),
+        plugin_datasets=frozenset({job.dataset} - BUILTIN_DATASETS.keys()),
+    )
 
 
 def links_from_records(records: Sequence[PeerRecord], peers: Sequence[PeerCapacity]) -> LinkMatrix:
@@ -118,7 +135,7 @@ def plan_assignment(
             up/down figures only.
     """
     layers = layer_profiles(job)
-    peers = capacities_from_records(records)
+    peers = capacities_from_records(records, serving=job_serving(job))
     plan = make_plan(
         peers,
         layers,
