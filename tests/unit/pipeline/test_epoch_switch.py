@@ -111,7 +111,7 @@ async def test_outsiders_and_newer_epochs_are_refused_during_a_switch():
         x, y = batches()[0]
         request = ForwardRequest(epoch=5, micro_batch_id=0, weight_version=0)
         with pytest.raises(RemoteError) as newer:
-            await first.rpc.call("p1", FORWARD, request, [x, y], timeout_s=2.0)
+            await first.rpc.call("p1", FORWARD, request, tensors=[x, y], timeout_s=2.0)
         assert newer.value.code == "stale_epoch"
     finally:
         for s in services:
