@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from ravnest_p2p.errors import RemoteError, TransportError
 from ravnest_p2p.runtime.epochs import EpochSwitch
 from ravnest_p2p.runtime.messages import PING, PingReply, PingRequest
-from ravnest_p2p.transport.rpc import RpcEndpoint
+from ravnest_p2p.transport.rpc import Reply, RpcEndpoint
 
 __all__ = ["NeighbourWatch"]
 
@@ -113,7 +113,7 @@ class NeighbourWatch:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), max(0.0, self.period_s - (time.monotonic() - started)))
 
-    async def _ping(self, peer: str, timeout_s: float) -> PingReply:
+    async def _ping(self, peer: str, timeout_s: float) -> Reply[PingReply]:
         epochs = self.epochs
         if epochs is None:
             return await self.rpc.call(

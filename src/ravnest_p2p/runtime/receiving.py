@@ -111,7 +111,7 @@ class StageHandlers:
 
     # ----- receiving -------------------------------------------------------------------------------
     def _check_epoch(self, epoch: int, ctx: CallContext) -> None:
-        """Refuse another epoch (during an in-place switch, the previous one is still taken: `EpochSwitch`)."""
+        """Refuse another epoch (in an in-place switch, the previous one is still taken: `EpochSwitch`)."""
         if not self.epochs.accepts(epoch):
             raise StaleEpoch(f"message for epoch {epoch}, this stage is in epoch {self.epochs.current}")
         if ctx.remote_peer_id in self.peers:

@@ -127,7 +127,11 @@ class ReplicaAverager:
         self.outer = None if outer is None else OuterOptimizer(outer, plain=executor.buffers_by_name())
         self.averager = (
             Averager(
-                schedule, self.rings, read=read, write=executor.assign_parameters, shard_map=lambda: shard_map
+                schedule,
+                self.rings,
+                read=read,
+                write=executor.assign_parameters,
+                shard_map=lambda: self.shard_map,
             )
             if self.outer is None
             else OuterAverager(
@@ -136,7 +140,7 @@ class ReplicaAverager:
                 outer=self.outer,
                 read=read,
                 write=executor.assign_parameters,
-                shard_map=lambda: shard_map,
+                shard_map=lambda: self.shard_map,
             )
         )
         self._round: asyncio.Task[RoundMetrics | None] | None = None
@@ -145,6 +149,13 @@ class ReplicaAverager:
         self.skipped = 0
         self._deferred: int | None = None  # a round that came due while the previous one ran
         self.final_done = False
+
+    def rebase(self, shard_map: ShardMap, *, final_step: int) -> None:
+        """Average with the rings of a new plan's `shard_map` from the next round on (the stage kept its
+        place in the new plan: `training.continuity`); a round under way finishes on the old rings."""
+        self.shard_map = shard_map
+        self.final_step = final_step
+        self.rings.expect(shard_map)
 
     async def start(self) -> None:
         # before the first round: only this map's ring members may open early streams to us

@@ -28,21 +28,28 @@ class Clock:
 def test_the_old_epoch_is_accepted_for_the_transition_window_and_sent_until_a_peer_takes_the_new():
     clock = Clock()
     switch = EpochSwitch(3, transition_s=10.0, clock=clock)
-    assert switch.accepts(3) and not switch.accepts(4) and not switch.accepts(2)
-    assert switch.for_peer("a") == 3 and switch.pending("a") is None
+    assert switch.accepts(3)
+    assert not switch.accepts(4)
+    assert not switch.accepts(2)
+    assert switch.for_peer("a") == 3
+    assert switch.pending("a") is None
     switch.move_to(4)
-    assert switch.accepts(3) and switch.accepts(4) and not switch.accepts(5)
+    assert switch.accepts(3)
+    assert switch.accepts(4)
+    assert not switch.accepts(5)
     assert switch.for_peer("a") == 3  # not known to take 4 yet
     assert switch.pending("a") == 4
     switch.heard("a", 3)
     assert switch.for_peer("a") == 3
     switch.heard("a", 4)
-    assert switch.for_peer("a") == 4 and switch.pending("a") is None
+    assert switch.for_peer("a") == 4
+    assert switch.pending("a") is None
     switch.heard("b", 5)  # an epoch we do not accept says nothing
     assert switch.for_peer("b") == 3
     clock.now = 10.5  # the window is over: only the new epoch, to everyone
     assert not switch.accepts(3)
-    assert switch.for_peer("b") == 4 and not switch.in_transition
+    assert switch.for_peer("b") == 4
+    assert not switch.in_transition
     with pytest.raises(ValueError):
         switch.move_to(4)
 
@@ -56,7 +63,10 @@ def test_two_quick_switches_send_each_peer_the_newest_epoch_it_takes():
     switch.heard("a", 4)
     assert switch.for_peer("a") == 4
     assert switch.for_peer("b") == 3
-    assert switch.accepts(3) and switch.accepts(4) and switch.accepts(6) and not switch.accepts(5)
+    assert switch.accepts(3)
+    assert switch.accepts(4)
+    assert switch.accepts(6)
+    assert not switch.accepts(5)
 
 
 async def test_a_cluster_switches_epoch_stage_by_stage_while_training_and_drops_nothing():
@@ -78,14 +88,16 @@ async def test_a_cluster_switches_epoch_stage_by_stage_while_training_and_drops_
         stats = await first.train(stream)
         await switching
         assert stats.completed == 60
-        assert all(s.stats.dropped == 0 and s.stats.refused == 0 for s in services)
+        assert all(s.stats.dropped == 0 for s in services)
+        assert all(s.stats.refused == 0 for s in services)
         assert all(s.failure is None for s in services)
         assert all(s.epoch == 4 for s in services)
         # every stage learned that its neighbours take epoch 4 (messages or heartbeat probes)
         await wait_until(
             lambda: first.epochs.for_peer("p1") == 4 and last.epochs.for_peer("p1") == 4, 5, message="probe"
         )
-        assert middle.epochs.for_peer("p0") == 4 and middle.epochs.for_peer("p2") == 4
+        assert middle.epochs.for_peer("p0") == 4
+        assert middle.epochs.for_peer("p2") == 4
         assert all(s.executor.num_steps == 60 for s in services)
     finally:
         for s in services:
