@@ -535,7 +535,7 @@ class JobSupervisor:
             # a leaving peer's own membership may never activate the plan that leaves it out: the job's
             # progress tells when the new plan's pipelines train (they pulled their state before)
             progress = await self._read(read_progress(self.dht, role.job_id, owner_peer_id=None))
-            if progress is not None and progress.epoch > role.epoch and progress.started_epoch:
+            if progress is not None and progress.epoch > role.epoch and progress.all_started:
                 return
             await asyncio.sleep(min(0.5, self.config.poll_s))  # polls, bounded by the grace
 
