@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ravnest_p2p.training.continuity import continues_in_place, stays_in_place, unchanged_cluster
 from ravnest_p2p.training.job import StagePlacement
-from ravnest_p2p.training.progress import JobProgress, merge_progress, may_start
+from ravnest_p2p.training.progress import JobProgress, may_start, merge_progress
 from ravnest_p2p.training.role import role_for
 
 from ._fakes import make_plan

@@ -1,4 +1,4 @@
-"""`StageRunner.rebase`: a running cluster moves to a new plan without stopping, over the in-memory transport."""
+"""`StageRunner.rebase`: a running cluster moves to a new plan without stopping (in-memory transport)."""
 
 from __future__ import annotations
 
