@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -74,7 +75,8 @@ class Outcome:
     def summary(self) -> str:
         accuracy = ", ".join(f"{k} {v:.3f}" for k, v in sorted(self.accuracy.items()))
         return (
-            f"in_place={self.in_place}: A's runners {self.a_runners} (moved in place {self.a_moved_in_place}x); "
+            f"in_place={self.in_place}: A's runners {self.a_runners} "
+            f"(moved in place {self.a_moved_in_place}x); "
             f"A median step {self.median_step_s:.3f}s, longest gap around the re-plan {self.stall_s:.2f}s; "
             f"B trains again after {self.b_resumed_after_s:.1f}s (resumed at loss {self.b_resumed_loss}); "
             f"final accuracy {accuracy}"
@@ -138,7 +140,8 @@ async def run_scenario(*, in_place: bool, max_steps: int = 160, replan_after: in
             outcome.a_moved_in_place = sups[a0].moved_in_place
             await _until(lambda: all(job.job_id in sups[p].finished for p in (a0, a1, b0, c, b1)), 600)
             view = await read_progress(FakeDHT("x", store), job.job_id, owner_peer_id=None)
-            assert view is not None and view.done, view
+            assert view is not None
+            assert view.done, view
             for name, peer in (("A", a0), ("B", b0)):
                 runner = sups[peer].runner
                 if isinstance(runner, StageRunner) and runner.eval_accuracy is not None:
@@ -197,11 +200,11 @@ async def _until(predicate: Any, timeout_s: float) -> None:
 
 def _measure(outcome: Outcome) -> None:
     times = [t for t, _ in outcome.steps]
-    before = [b - a for a, b in zip(times, times[1:], strict=False) if b <= outcome.replan_at]
+    before = [b - a for a, b in itertools.pairwise(times) if b <= outcome.replan_at]
     outcome.median_step_s = statistics.median(before) if before else 0.0
     end = outcome.replan_at + outcome.b_resumed_after_s + 2.0
     around = [t for t in times if outcome.replan_at - 5.0 <= t <= end]
-    gaps = [b - a for a, b in zip(around, around[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(around)]
     # also the time from the last step until the window's end, if A stopped stepping for good
     tail = end - around[-1] if around else end - outcome.replan_at
     outcome.stall_s = max([*gaps, min(tail, end - outcome.replan_at)], default=0.0)
