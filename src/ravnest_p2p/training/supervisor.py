@@ -13,8 +13,11 @@ weights on every plan change, and forget in a restarted process that a job had e
 cycle is one object over injected seams (DHT, plan source, runner factory, state source, suspect
 reporter), unit-tested with in-memory fakes; `node.py` only wires the real ones.
 
-Known limits (see docs/elastic.md): every stage of every cluster restarts on a new plan (clusters that
-did not change are not kept running); state moves between peers only through a `StateSource`, which the
+A stage whose cluster the new plan did not change (same peers, order and layers: `continuity`) is not
+stopped: the runner moves to the new role in place (`StageRunner.rebase`) and keeps training.
+
+Known limits (see docs/elastic.md): the planner rarely keeps a cluster whole, so most re-plans still
+restart every stage; state moves between peers only through a `StateSource`, which the
 checkpoint helper's `fetch_state` provides; without one, a stage keeps what this process held and other
 layers start from the initial weights.
 """
