@@ -54,7 +54,7 @@ Q = [("q0", 0, 1), ("q1", 1, 3)]
 async def test_a_cluster_keeps_training_through_two_re_plans_and_finishes_the_new_plans_data(monkeypatch):
     monkeypatch.setattr("ravnest_p2p.training.runner_moves.ReplicaAverager", FakeReplicas)
     FakeReplicas.made = []
-    job = BASE.model_copy(update={"assignment": None, "num_epochs": 10, "averaging_period_steps": 4})
+    job = BASE.model_copy(update={"assignment": None, "num_epochs": 8, "averaging_period_steps": 4})
     net, dht = FakeNetwork(), FakeDHT("p0")
     plan1 = make_plan(1, P, Q, [("r0", 0, 3)])
     plan2 = make_plan(2, Q, P)  # r left; p is now cluster 1 of 2
