@@ -20,6 +20,7 @@ ALL = [
     "bench_overlap",
     "ist_theory",
     "ist_inprocess",
+    "ist_network",
     "backup_workers_sim",
     "bench_trust_cost",
 ]

@@ -146,9 +146,18 @@ class RunClient:
                 raise TimeoutError(f"only {len(records)} of {count} peers ready after {timeout_s:.0f}s")
             await asyncio.sleep(1.0)
 
-    def plan(self, records: Sequence[PeerRecord], job: JobSpec, *, min_stages: int | None = None) -> JobSpec:
-        """The job with an explicit assignment computed by the planner over `records`."""
-        return job.model_copy(update={"assignment": plan_assignment(records, job, min_stages=min_stages)})
+    def plan(
+        self,
+        records: Sequence[PeerRecord],
+        job: JobSpec,
+        *,
+        min_stages: int | None = None,
+        use_links: bool = True,
+    ) -> JobSpec:
+        """The job with an explicit assignment computed by the planner over `records`, with the link
+        matrix their records report (`use_links=False`: each peer's own up/down figures only)."""
+        assignment = plan_assignment(records, job, min_stages=min_stages, use_links=use_links)
+        return job.model_copy(update={"assignment": assignment})
 
     @property
     def peer_id(self) -> str:
@@ -241,8 +250,13 @@ class RunClient:
         if job.assignment is not None:
             # an explicit assignment: a fixed set of clusters on epoch 0
             current = newest_epoch(await self.member_metrics(job, await self.metrics(job_id=job.job_id)))
-            # sync_backup: the job is done once N workers are (a dead backup never reports)
-            expected = job.sync_backup.num_required if job.mode == "sync_backup" else len(job.assignment)
+            # sync_backup: the job is done once N workers are (a dead backup never reports); ist: once
+            # one is (every live worker ends with the same final gather; a dead one never reports)
+            expected = len(job.assignment)
+            if job.mode == "sync_backup":
+                expected = job.sync_backup.num_required
+            elif job.mode == "ist":
+                expected = 1
             return current, _job_done(current, expected)
         progress = await self.progress(job.job_id)
         signed = await self.metrics(job_id=job.job_id)
@@ -315,7 +329,7 @@ class RunClient:
 
         def on_progress(snapshot: ProgressSnapshot) -> None:
             summary = summarize(snapshot, job.job_id)
-            history.add(summary)
+            history.add(summary, metrics=snapshot)
             renderer.update(history, summary)
 
         history.final = await self.wait_for_job(

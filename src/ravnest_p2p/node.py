@@ -31,7 +31,9 @@ from ravnest_p2p.measurement import (
     ProbeConfig,
     free_memory_bytes,
     measure_matmul_flops,
+    remeasure_matmul_flops,
 )
+from ravnest_p2p.measurement.compute_refresh import ComputeRefresher
 from ravnest_p2p.membership import DhtPlanBoard, MembershipConfig, MembershipService
 from ravnest_p2p.planning import JobParams
 from ravnest_p2p.training.handover import HandoverServer
@@ -94,6 +96,9 @@ class PeerConfig(BaseModel):
     check_identity_free: bool = True
     job_poll_s: float = Field(default=2.0, gt=0)
     drain_grace_s: float = Field(default=30.0, ge=0, le=300)
+    # a running peer re-measures its compute this often, while not training (0: never); see
+    # measurement/compute_refresh.py
+    compute_refresh_s: float = Field(default=3600.0, ge=0)
     # where this peer keeps its stages' checkpoints when a job asks for them (None: $RAVNEST_CHECKPOINT_DIR,
     # else none are kept)
     checkpoint_dir: Path | None = None
@@ -218,11 +223,29 @@ class Peer:
             self.membership.add_listener(lambda _plan: self.announcer.refresh_soon())
             self._tasks.spawn(self.membership.run(), name="membership")
         self._tasks.spawn(self.supervisor.run(), name="jobs")
+        if self.config.compute_refresh_s > 0:
+            self._tasks.spawn(self._compute_refresher().run(), name="compute-refresh")
         logger.info("peer %s ready: %.1f GFLOP/s", self.peer_id, self.flops / 1e9)
         if self.config.run_owner is None:
             logger.warning(
                 "run %r has no owner: this peer trains anyone's job (see --run-owner)", self.config.run_id
             )
+
+    def _compute_refresher(self) -> ComputeRefresher:
+        async def remeasure() -> float | None:
+            return await run_in_compute_thread(remeasure_matmul_flops, self.config.device, self.config.dtype)
+
+        def changed(flops: float) -> None:
+            self.flops = flops
+            self.announcer.refresh_soon()
+
+        return ComputeRefresher(
+            period_s=self.config.compute_refresh_s,
+            is_idle=lambda: self.state == PeerState.READY,
+            remeasure=remeasure,
+            current=lambda: self.flops,
+            on_change=changed,
+        )
 
     @property
     def peer_id(self) -> str:

@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import Any
 
 from ravnest_p2p.lab.launcher import Swarm, SwarmState, load_state, stop_swarm
+from ravnest_p2p.utils import StretchedDeadline
 
 __all__ = ["LocalSwarm", "PeerProcess", "Swarm", "main", "poll_until", "swarm_status"]
 
@@ -43,11 +44,12 @@ _PEER_ID_RE = re.compile(r"ravnest_p2p peer (\S+) ")
 def poll_until(
     predicate: Callable[[], bool], timeout_s: float, *, what: str, interval_s: float = 0.1
 ) -> None:
-    """Poll `predicate` until true; TimeoutError naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
+    """Poll `predicate` until true; TimeoutError naming `what` after `timeout_s`, stretched by the host's
+    load (`utils.StretchedDeadline`: peers start slowly on a busy host)."""
+    deadline = StretchedDeadline(timeout_s)
     while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        if deadline.expired():
+            raise TimeoutError(f"timed out after {deadline.describe()} waiting for {what}")
         time.sleep(interval_s)
 
 

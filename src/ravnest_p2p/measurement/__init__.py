@@ -1,6 +1,6 @@
 """Self-measurement: compute (matmul FLOP/s), free memory, and network (RTT, bandwidth) probes."""
 
-from ravnest_p2p.measurement.compute import measure_matmul_flops
+from ravnest_p2p.measurement.compute import measure_matmul_flops, remeasure_matmul_flops
 from ravnest_p2p.measurement.links import LinkPublisher, PublishedLink
 from ravnest_p2p.measurement.memory import free_memory_bytes
 from ravnest_p2p.measurement.network import LinkEstimate, NetworkMeter, ProbeConfig
@@ -13,4 +13,5 @@ __all__ = [
     "PublishedLink",
     "free_memory_bytes",
     "measure_matmul_flops",
+    "remeasure_matmul_flops",
 ]

@@ -91,8 +91,8 @@ class JobSpec(_Config):
             researcher's client, for `RunClient.checkpoint`).
         init_checkpoint: start from this checkpoint instead of the initial weights (docs/checkpoints.md).
         mode: ``pipeline`` (default), ``sync_backup`` or ``ist``; each mode reads its own section
-            (`training.modes`, docs/training-modes.md). With ``sync_backup`` an explicit assignment is one
-            single-stage cluster per worker (N + b of them).
+            (`training.modes`, docs/training-modes.md). With ``sync_backup`` or ``ist`` an explicit
+            assignment is one single-stage cluster per worker (N + b, or ``ist.num_workers``, of them).
     """
 
     schema_version: int = 1
@@ -135,6 +135,13 @@ class JobSpec(_Config):
     def _outer_needs_a_period(self) -> JobSpec:
         if self.outer_optimizer is not None and not (self.averaging_period_steps or self.averaging_period_s):
             raise ValueError("outer_optimizer needs averaging_period_steps (H) or averaging_period_s")
+        fragments = 1 if self.outer_optimizer is None else self.outer_optimizer.num_fragments
+        if fragments > 1 and not self.averaging_period_steps:
+            raise ValueError(
+                "outer_optimizer.num_fragments > 1 staggers syncs by step: set averaging_period_steps"
+            )
+        if fragments > (self.averaging_period_steps or fragments):
+            raise ValueError("outer_optimizer.num_fragments must not exceed averaging_period_steps (H)")
         return self
 
     @model_validator(mode="after")
@@ -153,17 +160,20 @@ class JobSpec(_Config):
         return self
 
     def _check_mode(self) -> None:
-        if self.mode != TrainingMode.SYNC_BACKUP or self.assignment is None:
+        if self.mode == TrainingMode.PIPELINE or self.assignment is None:
             return
+        mode = self.mode.value
         workers = [stage.peer_id for cluster in self.assignment for stage in cluster]
         if any(len(cluster) != 1 for cluster in self.assignment):
-            raise ValueError("sync_backup: every worker is a one-stage cluster holding the whole model")
+            raise ValueError(f"{mode}: every worker is a one-stage cluster holding the whole model")
         if len(set(workers)) != len(workers):
-            raise ValueError("sync_backup: a worker appears twice")
-        if len(workers) != self.sync_backup.num_workers:
+            raise ValueError(f"{mode}: a worker appears twice")
+        expected = (
+            self.sync_backup.num_workers if self.mode == TrainingMode.SYNC_BACKUP else self.ist.num_workers
+        )
+        if len(workers) != expected:
             raise ValueError(
-                f"sync_backup: {len(workers)} workers assigned, num_required + num_backup is "
-                f"{self.sync_backup.num_workers}"
+                f"{mode}: {len(workers)} workers assigned, the mode's section asks for {expected}"
             )
 
     def to_wire(self) -> dict[str, Any]:

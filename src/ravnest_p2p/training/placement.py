@@ -2,7 +2,9 @@
 
 `plan_assignment` turns live `PeerRecord`s and a `JobSpec` into the job's explicit `assignment` via
 `planning.make_plan`: the layer profile comes from a dry run of the job's model, peer capacities from
-the measured figures in the records.
+the measured figures in the records, and the link matrix from the links each record reports
+(`links_from_records`) — the same measured pairs the peers' own agreed plans use, so a researcher's
+explicit plan sees the same slow links (unmeasured pairs fall back to min(up, down), as there).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Sequence
 
 from ravnest_p2p.discovery.records import PeerRecord
 from ravnest_p2p.models import build_model, profile_layers, sample_input
-from ravnest_p2p.planning import JobParams, PeerCapacity, Plan, make_plan
+from ravnest_p2p.planning import JobParams, LinkMatrix, LinkReport, PeerCapacity, Plan, make_plan
 from ravnest_p2p.planning.window import planning_window
 from ravnest_p2p.training.job import JobSpec, StagePlacement
 from ravnest_p2p.types import LayerProfile, PeerState
@@ -21,6 +23,7 @@ __all__ = [
     "capacities_from_records",
     "job_params",
     "layer_profiles",
+    "links_from_records",
     "plan_assignment",
 ]
 
@@ -56,6 +59,23 @@ def capacities_from_records(records: Sequence[PeerRecord]) -> list[PeerCapacity]
     return out
 
 
+def links_from_records(records: Sequence[PeerRecord], peers: Sequence[PeerCapacity]) -> LinkMatrix:
+    """The link matrix of `peers` from the links their records report (others' reports are ignored)."""
+    reports = {
+        r.peer_id: [
+            LinkReport(
+                peer_id=link.peer_id,
+                upload_bytes_per_s=link.up_mbps * 1e6 / 8,
+                download_bytes_per_s=link.down_mbps * 1e6 / 8,
+                rtt_s=link.rtt_ms / 1000,
+            )
+            for link in r.links
+        ]
+        for r in records
+    }
+    return LinkMatrix.build(peers, reports)
+
+
 def job_params(job: JobSpec, *, min_stages: int | None = None, num_layers: int | None = None) -> JobParams:
     """The planner's view of `job`; memory is budgeted for `planning_window` (see `planning.window`).
 
@@ -84,14 +104,26 @@ def assignment_from_plan(plan: Plan) -> tuple[tuple[StagePlacement, ...], ...]:
 
 
 def plan_assignment(
-    records: Sequence[PeerRecord], job: JobSpec, *, epoch: int = 0, min_stages: int | None = None
+    records: Sequence[PeerRecord],
+    job: JobSpec,
+    *,
+    epoch: int = 0,
+    min_stages: int | None = None,
+    use_links: bool = True,
 ) -> tuple[tuple[StagePlacement, ...], ...]:
-    """Clusters and stages for `job` over the live `records` (raises `InfeasiblePlan` if none fit)."""
+    """Clusters and stages for `job` over the live `records` (raises `InfeasiblePlan` if none fit).
+
+    Args:
+        use_links: plan with the measured link matrix (`links_from_records`); False: each peer's own
+            up/down figures only.
+    """
     layers = layer_profiles(job)
+    peers = capacities_from_records(records)
     plan = make_plan(
-        capacities_from_records(records),
+        peers,
         layers,
         job_params(job, min_stages=min_stages, num_layers=len(layers)),
         epoch=epoch,
+        links=links_from_records(records, peers) if use_links else None,
     )
     return assignment_from_plan(plan)
