@@ -163,6 +163,7 @@ class ReplicaAverager:
         place in the new plan: `training.continuity`); a round under way finishes on the old rings."""
         self.shard_map = shard_map
         self.final_step = final_step
+        self._fragment_rings = fragment_rings(shard_map, self.num_fragments)  # the new map's ring ids
         self.rings.expect(shard_map)
 
     async def start(self) -> None:
