@@ -39,7 +39,7 @@ from ravnest_p2p.transport import RpcEndpoint
 from tests.unit.training._fakes import FakeDHT, FakePlans, make_plan
 
 
-def scenario_job(max_steps: int) -> JobSpec:
+def scenario_job(max_steps: int, eval_every_steps: int = 16) -> JobSpec:
     return JobSpec(
         job_id="in-place",
         model="digits_cnn",
@@ -47,7 +47,7 @@ def scenario_job(max_steps: int) -> JobSpec:
         batch_size=32,
         until_stopped=True,
         max_steps=max_steps,
-        eval_every_steps=16,
+        eval_every_steps=eval_every_steps,
         averaging_period_steps=8,
         optimizer=OptimizerConfig(name="adam", lr=2e-3),
     )
@@ -83,9 +83,15 @@ class Outcome:
         )
 
 
-async def run_scenario(*, in_place: bool, max_steps: int = 160, replan_after: int = 48) -> Outcome:
-    """Train, re-plan once B has fed `replan_after` micro-batches, and finish at `max_steps` per cluster."""
-    job = scenario_job(max_steps)
+async def run_scenario(
+    *, in_place: bool, max_steps: int = 160, replan_after: int = 48, eval_every_steps: int = 16
+) -> Outcome:
+    """Train, re-plan once B has fed `replan_after` micro-batches, and finish at `max_steps` per cluster.
+
+    `eval_every_steps=0` also drops the resumption's evaluation of a restarted first stage (a pass over
+    the held-out set that, in one process, holds the shared compute thread: it delays A too).
+    """
+    job = scenario_job(max_steps, eval_every_steps)
     outcome = Outcome(in_place=in_place)
     store: dict[str, Any] = {}
     async with local_hosts(5) as hosts:
@@ -211,10 +217,11 @@ def _measure(outcome: Outcome) -> None:
 
 
 async def _main() -> None:
-    for in_place in (False, True):
-        with contextlib.suppress(KeyboardInterrupt):
-            outcome = await run_scenario(in_place=in_place)
-            print(outcome.summary(), flush=True)
+    for eval_every_steps in (16, 0):
+        for in_place in (False, True):
+            with contextlib.suppress(KeyboardInterrupt):
+                outcome = await run_scenario(in_place=in_place, eval_every_steps=eval_every_steps)
+                print(f"eval_every_steps={eval_every_steps}", outcome.summary(), flush=True)
 
 
 if __name__ == "__main__":
