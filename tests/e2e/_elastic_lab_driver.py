@@ -93,7 +93,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
         async def training_on_a_new_plan() -> bool:
             progress = await client.progress(job.job_id)
-            return progress is not None and progress.epoch > epoch and progress.started_epoch
+            return progress is not None and progress.epoch > epoch and progress.all_started
 
         await wait_for(training_on_a_new_plan, 180, what="training on a new plan")
         result["training_again_after_s"] = time.monotonic() - disturbed_at

@@ -119,7 +119,7 @@ async def test_a_killed_stage_moves_the_job_to_a_new_plan_with_its_state(tmp_pat
 
             async def training_again_on_a_new_plan() -> bool:
                 progress = await client.progress(job.job_id)
-                return progress is not None and progress.epoch > epoch and progress.started_epoch
+                return progress is not None and progress.epoch > epoch and progress.all_started
 
             await wait_for(training_again_on_a_new_plan, 120, what="training on a plan without the victim")
             resumed_after_s = time.monotonic() - killed_at
@@ -185,7 +185,7 @@ async def test_a_leaving_peer_hands_its_stage_over_and_exits_within_its_grace(tm
 
             async def training_again_on_a_new_plan() -> bool:
                 progress = await client.progress(job.job_id)
-                return progress is not None and progress.epoch > epoch and progress.started_epoch
+                return progress is not None and progress.epoch > epoch and progress.all_started
 
             await wait_for(training_again_on_a_new_plan, 120, what="training on a plan without the leaver")
             resumed_after_s = time.monotonic() - asked_at

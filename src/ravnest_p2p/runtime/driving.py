@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from torch import Tensor
 
 from ravnest_p2p.errors import InvalidMessage, NeighbourLost, RavnestError, TransportError
+from ravnest_p2p.runtime.epochs import EpochSwitch
 from ravnest_p2p.runtime.liveness import NeighbourWatch
 from ravnest_p2p.runtime.messages import FINISH, READY, EvalResult, FinishRequest, ReadyRequest
 from ravnest_p2p.runtime.pipeline import PipelineConfig, StageStats, Work
@@ -43,7 +44,7 @@ class FirstStageDriver:
     """Training and evaluation driven by the first stage (a mixin of `StageService`)."""
 
     rpc: RpcEndpoint
-    epoch: int
+    epochs: EpochSwitch
     peers: list[str]
     config: PipelineConfig
     stats: StageStats
@@ -86,13 +87,16 @@ class FirstStageDriver:
         while pending:
             peer = pending[0]
             try:
-                await self.rpc.call(peer, READY, ReadyRequest(epoch=self.epoch), timeout_s=5.0)
+                await self.rpc.call(
+                    peer, READY, ReadyRequest(epoch=self.epochs.for_peer(peer)), timeout_s=5.0
+                )
                 self.watch.heard(peer)
                 pending.pop(0)
                 continue
             except TransportError as exc:
                 if loop.time() + delay_s > deadline:
-                    raise RavnestError(f"stage peer {peer} not ready after {timeout_s:.0f}s: {exc}") from None
+                    # named as the suspect: the membership pings it and re-plans around it if it is gone
+                    raise NeighbourLost(peer, f"not ready after {timeout_s:.0f}s: {exc}") from None
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, 2.0)
 
@@ -228,7 +232,9 @@ class FirstStageDriver:
         self.quiet.set()
         for peer in self.peers[1:]:
             try:
-                await self.rpc.call(peer, FINISH, FinishRequest(epoch=self.epoch), timeout_s=10)
+                await self.rpc.call(
+                    peer, FINISH, FinishRequest(epoch=self.epochs.for_peer(peer)), timeout_s=10
+                )
             except TransportError as exc:
                 logger.info("finish to %s failed: %s", peer, exc)
         self.finished.set()

@@ -31,8 +31,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from ravnest_p2p.errors import RemoteError, TransportError
+from ravnest_p2p.runtime.epochs import EpochSwitch
 from ravnest_p2p.runtime.messages import PING, PingReply, PingRequest
-from ravnest_p2p.transport.rpc import RpcEndpoint
+from ravnest_p2p.transport.rpc import Reply, RpcEndpoint
 
 __all__ = ["NeighbourWatch"]
 
@@ -49,6 +50,9 @@ class NeighbourWatch:
         period_s: time between pings to one neighbour.
         timeout_s: silence after which a heard neighbour is lost.
         on_lost: called (possibly more than once; the caller keeps the first) with the suspect.
+        epochs: the stage's `EpochSwitch` (None: always `epoch`); while a neighbour is not known to take
+            the stage's new epoch, each heartbeat first probes it with the new epoch, then pings with the
+            old one.
     """
 
     def __init__(
@@ -60,9 +64,11 @@ class NeighbourWatch:
         period_s: float,
         timeout_s: float,
         on_lost: Callable[[str, str], None],
+        epochs: EpochSwitch | None = None,
     ) -> None:
         self.rpc = rpc
         self.epoch = epoch
+        self.epochs = epochs  # during an in-place switch to a new plan: which epoch each neighbour takes
         self.neighbours = list(dict.fromkeys(neighbours))
         self.period_s = period_s
         self.timeout_s = timeout_s
@@ -88,9 +94,7 @@ class NeighbourWatch:
         while not stop.is_set():
             started = time.monotonic()
             try:
-                reply = await self.rpc.call(
-                    peer, PING, PingRequest(epoch=self.epoch), timeout_s=ping_timeout_s, foreground=False
-                )
+                reply = await self._ping(peer, ping_timeout_s)
                 self.num_pings += 1
                 self.heard(peer)
                 if self._gave_up(peer, reply.message):
@@ -108,6 +112,30 @@ class NeighbourWatch:
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), max(0.0, self.period_s - (time.monotonic() - started)))
+
+    async def _ping(self, peer: str, timeout_s: float) -> Reply[PingReply]:
+        epochs = self.epochs
+        if epochs is None:
+            return await self.rpc.call(
+                peer, PING, PingRequest(epoch=self.epoch), timeout_s=timeout_s, foreground=False
+            )
+        newer = epochs.pending(peer)
+        if newer is not None:
+            try:
+                reply = await self.rpc.call(
+                    peer, PING, PingRequest(epoch=newer), timeout_s=timeout_s, foreground=False
+                )
+                epochs.heard(peer, newer)  # it switched too: from now on it gets the new epoch
+                return reply
+            except RemoteError as exc:
+                if exc.code != "stale_epoch":
+                    raise
+        epoch = epochs.for_peer(peer)
+        reply = await self.rpc.call(
+            peer, PING, PingRequest(epoch=epoch), timeout_s=timeout_s, foreground=False
+        )
+        epochs.heard(peer, epoch)
+        return reply
 
     def _gave_up(self, peer: str, reply: PingReply) -> bool:
         if reply.lost_peer_id:

@@ -39,6 +39,11 @@ class PipelineConfig(BaseModel):
     misbehaviour_threshold: int = Field(
         default=20, ge=1, description="refused messages of one sender in an epoch that exclude it"
     )
+    epoch_transition_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="after an in-place move to a new plan epoch, the previous one stays accepted this long",
+    )
     reissue_attempts: int = Field(
         default=1,
         ge=0,

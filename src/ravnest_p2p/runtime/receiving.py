@@ -19,6 +19,7 @@ from torch import Tensor
 from ravnest_p2p.errors import InvalidMessage, NeighbourLost, StaleEpoch
 from ravnest_p2p.models.spec import TensorSpec
 from ravnest_p2p.runtime.admission import MicroBatchIds
+from ravnest_p2p.runtime.epochs import EpochSwitch
 from ravnest_p2p.runtime.liveness import NeighbourWatch
 from ravnest_p2p.runtime.messages import (
     Ack,
@@ -55,7 +56,7 @@ class StageHandlers:
 
     rpc: RpcEndpoint
     executor: StageExecutor
-    epoch: int
+    epochs: EpochSwitch
     peers: list[str]
     index: int
     config: PipelineConfig
@@ -95,7 +96,7 @@ class StageHandlers:
         async def guarded(request: Any, tensors: list[Tensor], ctx: CallContext) -> Any:
             sender = ctx.remote_peer_id
             if self.ledger.is_excluded(sender):
-                raise _Excluded(f"{sender} is excluded for epoch {self.epoch}")
+                raise _Excluded(f"{sender} is excluded for epoch {self.epochs.current}")
             try:
                 return await handler(request, tensors, ctx)
             except (StaleEpoch, _Benign):
@@ -109,9 +110,12 @@ class StageHandlers:
         self._methods.append(method)
 
     # ----- receiving -------------------------------------------------------------------------------
-    def _check_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            raise StaleEpoch(f"message for epoch {epoch}, this stage is in epoch {self.epoch}")
+    def _check_epoch(self, epoch: int, ctx: CallContext) -> None:
+        """Refuse another epoch (in an in-place switch, the previous one is still taken: `EpochSwitch`)."""
+        if not self.epochs.accepts(epoch):
+            raise StaleEpoch(f"message for epoch {epoch}, this stage is in epoch {self.epochs.current}")
+        if ctx.remote_peer_id in self.peers:
+            self.epochs.heard(ctx.remote_peer_id, epoch)
 
     def _check_from(self, ctx: CallContext, expected: str | None, refusal: str) -> None:
         if ctx.remote_peer_id != expected:
@@ -138,7 +142,7 @@ class StageHandlers:
 
     async def _on_forward(self, req: ForwardRequest, tensors: list[Tensor], ctx: CallContext) -> Ack:
         self._check_from(ctx, self.prev_peer, "forward from a peer that is not the previous stage")
-        self._check_epoch(req.epoch)
+        self._check_epoch(req.epoch, ctx)
         if len(tensors) != 2:
             raise InvalidMessage("forward carries exactly [activations, labels]")
         x, labels = tensors
@@ -161,7 +165,7 @@ class StageHandlers:
 
     async def _on_backward(self, req: BackwardRequest, tensors: list[Tensor], ctx: CallContext) -> Ack:
         self._check_from(ctx, self.next_peer, "backward from a peer that is not the next stage")
-        self._check_epoch(req.epoch)
+        self._check_epoch(req.epoch, ctx)
         if len(tensors) != 1:
             raise InvalidMessage("backward carries exactly one gradient")
         mb = req.micro_batch_id
@@ -180,7 +184,7 @@ class StageHandlers:
     async def _on_drop(self, req: DropNotice, tensors: list[Tensor], ctx: CallContext) -> Ack:
         if ctx.remote_peer_id not in self.peers[self.index + 1 :]:
             raise InvalidMessage("drop notice from a peer that is not downstream")
-        self._check_epoch(req.epoch)
+        self._check_epoch(req.epoch, ctx)
         self.watch.heard(ctx.remote_peer_id)
         mb = req.micro_batch_id
         waiter = self._eval_waiters.get(mb) if self.is_first else None
@@ -198,7 +202,7 @@ class StageHandlers:
     async def _on_eval_result(self, req: EvalResult, tensors: list[Tensor], ctx: CallContext) -> Ack:
         if ctx.remote_peer_id != self.peers[-1]:
             raise InvalidMessage("eval result from a peer that is not the last stage")
-        self._check_epoch(req.epoch)
+        self._check_epoch(req.epoch, ctx)
         self.watch.heard(ctx.remote_peer_id)
         waiter = self._eval_waiters.get(req.micro_batch_id)
         if waiter is None or waiter.done():  # never issued, or late after a timeout: not held against it
@@ -209,7 +213,7 @@ class StageHandlers:
     async def _on_ping(self, req: PingRequest, tensors: list[Tensor], ctx: CallContext) -> PingReply:
         if ctx.remote_peer_id not in self.peers:
             raise InvalidMessage("ping from a peer outside this cluster")
-        self._check_epoch(req.epoch)
+        self._check_epoch(req.epoch, ctx)
         self.watch.heard(ctx.remote_peer_id)
         lost = None
         if self.failure is not None:
@@ -217,13 +221,13 @@ class StageHandlers:
         return PingReply(stage=self.index, lost_peer_id=lost)
 
     async def _on_ready(self, req: ReadyRequest, tensors: list[Tensor], ctx: CallContext) -> ReadyReply:
-        self._check_epoch(req.epoch)
+        self._check_epoch(req.epoch, ctx)
         return ReadyReply(stage=self.index)
 
     async def _on_finish(self, req: FinishRequest, tensors: list[Tensor], ctx: CallContext) -> Ack:
         if ctx.remote_peer_id != self.peers[0]:
             raise InvalidMessage("finish from a peer that is not the first stage")
-        self._check_epoch(req.epoch)
+        self._check_epoch(req.epoch, ctx)
         self.quiet.set()
         self.finished.set()
         return Ack()

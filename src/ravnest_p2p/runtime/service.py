@@ -55,6 +55,7 @@ from ravnest_p2p.models.spec import TensorSpec, make_loss
 from ravnest_p2p.runtime.admission import MicroBatchIds
 from ravnest_p2p.runtime.config import NonFiniteResult
 from ravnest_p2p.runtime.driving import FirstStageDriver, _Issued
+from ravnest_p2p.runtime.epochs import EpochSwitch
 from ravnest_p2p.runtime.liveness import NeighbourWatch
 from ravnest_p2p.runtime.messages import (
     BACKWARD,
@@ -115,7 +116,7 @@ class StageService(StageHandlers, FirstStageDriver):
             raise ValueError("cluster_peers[stage_index] must be this peer")
         self.rpc = rpc
         self.executor = executor
-        self.epoch = epoch
+        self.epochs = EpochSwitch(epoch, transition_s=(config or PipelineConfig()).epoch_transition_s)
         self.peers = list(cluster_peers)
         self.index = stage_index
         self.config = config = config or PipelineConfig()
@@ -171,6 +172,7 @@ class StageService(StageHandlers, FirstStageDriver):
             period_s=config.heartbeat_period_s,
             timeout_s=config.neighbour_timeout_s,
             on_lost=self._lost,
+            epochs=self.epochs,
         )
         # called by the worker after every optimizer step with the step count; awaited, so a hook that
         # must see quiet weights (e.g. the final averaging round) holds this stage's work meanwhile
@@ -178,6 +180,20 @@ class StageService(StageHandlers, FirstStageDriver):
         # called with (peer id, reason) when the ledger excludes a sender for this epoch (e.g. wired to
         # `MembershipService.report_misbehaviour`)
         self.on_exclude: Callable[[str, str], None] | None = None
+
+    @property
+    def epoch(self) -> int:
+        """The plan epoch this stage serves now (`move_to_epoch` changes it in place)."""
+        return self.epochs.current
+
+    def move_to_epoch(self, epoch: int) -> None:
+        """Serve plan `epoch` from now on without stopping: the cluster (same peers, same layers) kept its
+        place in the new plan. The previous epoch stays accepted from the cluster's peers for
+        `PipelineConfig.epoch_transition_s`, and each peer is sent the new epoch once it takes it
+        (`runtime.epochs`); the sender ledger starts the new epoch clean."""
+        self.epochs.move_to(epoch)
+        self.ledger.new_epoch(epoch)
+        logger.info("stage %d moves to epoch %d in place", self.index, epoch)
 
     # ----- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -237,7 +253,7 @@ class StageService(StageHandlers, FirstStageDriver):
                 waiter.set_result(None)
         else:
             notice = DropNotice(epoch=self.epoch, micro_batch_id=mb, reason=reason[:200])
-            self.sender.send(self.peers[0], DROP, notice, [])
+            self._send(self.peers[0], DROP, notice, [])
 
     def _drop(self, mb: int, reason: str) -> None:
         """Drop micro-batch ``mb`` (on the worker, which owns the executor): release, tell upstream."""
@@ -257,7 +273,7 @@ class StageService(StageHandlers, FirstStageDriver):
                 self._reissue(mb)
             else:
                 notice = DropNotice(epoch=self.epoch, micro_batch_id=mb, reason=reason[:200])
-                self.sender.send(self.peers[self.index - 1], DROP, notice, [])
+                self._send(self.peers[self.index - 1], DROP, notice, [])
         finally:
             self._dropping.discard(mb)
 
@@ -437,4 +453,7 @@ class StageService(StageHandlers, FirstStageDriver):
         self, peer: str | None, method: RpcMethod[Any, Any], request: BaseModel, tensors: Sequence[Tensor]
     ) -> None:
         assert peer is not None
+        epoch = self.epochs.for_peer(peer)
+        if getattr(request, "epoch", epoch) != epoch:  # during an in-place switch: what the peer takes
+            request = request.model_copy(update={"epoch": epoch})
         self.sender.send(peer, method, request, tensors)

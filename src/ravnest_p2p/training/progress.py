@@ -117,7 +117,11 @@ class ProgressView:
         micro_batches: data position to resume from (the furthest cluster; clusters move together).
         optimizer_steps: optimizer steps to resume the LR schedule from.
         train_wall_s: training time so far.
-        started_epoch: whether the newest epoch's pipelines already moved past their start.
+        started_epoch: whether any pipeline of the newest epoch already moved past its start.
+        started: the (plan epoch, cluster) pipelines that moved past their start (a cluster kept
+            running in place through a re-plan starts its new epoch at once; the others after their
+            hand-over).
+        num_clusters: clusters of the newest epoch's plan (as its records say).
         positions: data position by (plan epoch, cluster): how far each cluster of each plan got (a
             cluster whose pipeline broke stops early; the hand-over prefers the furthest replica).
         done / stopped / ended: see `JobProgress`.
@@ -132,12 +136,19 @@ class ProgressView:
     optimizer_steps: int = 0
     train_wall_s: float = 0.0
     started_epoch: bool = False
+    started: frozenset[tuple[int, int]] = frozenset()
+    num_clusters: int = 1
     positions: Mapping[tuple[int, int], int] = dataclasses.field(default_factory=dict)
     done: bool = False
     stopped: bool = False
     ended: bool = False
     reason: str | None = None
     updated_at: float = 0.0
+
+    @property
+    def all_started(self) -> bool:
+        """Whether every cluster of the newest epoch's plan trains (e.g. a re-plan is complete)."""
+        return all((self.epoch, c) in self.started for c in range(self.num_clusters))
 
     @property
     def finished(self) -> bool:
@@ -181,6 +192,10 @@ def merge_progress(
         optimizer_steps=max((r.optimizer_steps for r in runs), default=0),
         train_wall_s=max((r.train_wall_s for r in runs), default=0.0),
         started_epoch=any(r.micro_batches > r.epoch_start for r in newest),
+        started=frozenset(
+            (r.epoch, r.cluster) for r in runs if r.cluster is not None and r.micro_batches > r.epoch_start
+        ),
+        num_clusters=max((r.num_clusters for r in newest), default=1),
         positions=positions,
         done=any(r.done for r in runs),
         stopped=bool(stops),
@@ -197,6 +212,7 @@ def may_start(
     holds_state: bool,
     now: float | None = None,
     idle_after_s: float = 0.0,
+    cluster: int | None = None,
 ) -> tuple[bool, str]:
     """Whether this peer may start its role of a job on plan `epoch`, and why not.
 
@@ -209,6 +225,9 @@ def may_start(
         idle_after_s: a job whose newest progress record is older than this has no pipeline moving
             (every peer stopped, e.g. all restarted): its plans are neither superseding nor in the way,
             and a restarted peer may start (its state comes from checkpoints). 0: never.
+        cluster: the role's cluster: only that cluster's pipeline moving without us refuses the start
+            (None: any cluster of the epoch). A cluster kept running in place starts the new epoch at
+            once; the re-formed clusters must still be able to start theirs.
 
     A job never runs again once done, stopped or ended; a plan older than one the job already ran on is
     superseded; and a peer that was not part of an epoch's pipeline from its start (e.g. a process
@@ -224,7 +243,8 @@ def may_start(
         return True, ""
     if progress.epoch > epoch:
         return False, f"superseded: the job already runs on plan epoch {progress.epoch}"
-    if progress.epoch == epoch and progress.started_epoch and not holds_state:
+    moved = progress.started_epoch if cluster is None else (epoch, cluster) in progress.started
+    if progress.epoch == epoch and moved and not holds_state:
         return False, f"plan epoch {epoch} already trains without this peer's state"
     return True, ""
 

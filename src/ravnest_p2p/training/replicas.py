@@ -131,7 +131,11 @@ class ReplicaAverager:
         self.outer = None if outer is None else OuterOptimizer(outer, plain=executor.buffers_by_name())
         self.averager = (
             Averager(
-                schedule, self.rings, read=read, write=executor.assign_parameters, shard_map=lambda: shard_map
+                schedule,
+                self.rings,
+                read=read,
+                write=executor.assign_parameters,
+                shard_map=lambda: self.shard_map,
             )
             if self.outer is None
             else OuterAverager(
@@ -140,7 +144,7 @@ class ReplicaAverager:
                 outer=self.outer,
                 read=read,
                 write=executor.assign_parameters,
-                shard_map=lambda: shard_map,
+                shard_map=lambda: self.shard_map,
             )
         )
         self._round: asyncio.Task[RoundMetrics | None] | None = None
@@ -153,6 +157,14 @@ class ReplicaAverager:
         self.num_fragments = outer.num_fragments if outer is not None and self.period_steps else 1
         self._fragment_rings = fragment_rings(shard_map, self.num_fragments)
         self._fragment_tasks: dict[int, asyncio.Task[RoundMetrics | None]] = {}
+
+    def rebase(self, shard_map: ShardMap, *, final_step: int) -> None:
+        """Average with the rings of a new plan's `shard_map` from the next round on (the stage kept its
+        place in the new plan: `training.continuity`); a round under way finishes on the old rings."""
+        self.shard_map = shard_map
+        self.final_step = final_step
+        self._fragment_rings = fragment_rings(shard_map, self.num_fragments)  # the new map's ring ids
+        self.rings.expect(shard_map)
 
     async def start(self) -> None:
         # before the first round: only this map's ring members may open early streams to us

@@ -31,7 +31,8 @@ from ravnest_p2p.training.progress import JobProgress, ProgressStore, publish_pr
 from ravnest_p2p.training.replicas import ReplicaAverager, tensor_digests
 from ravnest_p2p.training.resume import HeldState, apply_state, cluster_batches
 from ravnest_p2p.training.role import StageRole, role_for
-from ravnest_p2p.training.stage_hook import attach_stage_state
+from ravnest_p2p.training.runner_moves import InPlaceMoves
+from ravnest_p2p.training.stage_hook import StageStateHook, attach_stage_state
 from ravnest_p2p.training.stage_state import StageState, capture_state
 from ravnest_p2p.training.stages import build_stage, label_spec, load_dataset
 from ravnest_p2p.transport.rpc import RpcEndpoint
@@ -68,7 +69,7 @@ def _peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-class StageRunner:
+class StageRunner(InPlaceMoves):
     """Trains one stage of one job on one plan and publishes `StageMetrics` (and progress) while it does.
 
     Args:
@@ -116,6 +117,16 @@ class StageRunner:
         self._datasets: tuple[ArrayDataset, ArrayDataset] | None = None
         self._tasks = TaskOwner("stage-runner")
         self._started = time.monotonic()
+        # where this run's counts start: they carry over when the run moves to a new plan in place
+        self._data_base = role.data_start  # the cluster's data position when this run began
+        self._wall_base = role.train_wall_s_start
+        self._epoch_start = role.data_start  # the data position when the current epoch began here
+        self._batches: Iterator[tuple[Tensor, Tensor]] = iter(())  # first stage: the data still to feed
+        self._taken = 0  # micro-batches taken from the data so far
+        self.state_hook: StageStateHook | None = None
+        # first stage: how long the other stages may take to serve the plan (the supervisor shortens it
+        # for a retry on the same plan: a neighbour that is not back by then is not coming)
+        self.ready_timeout_s = 120.0
 
     @property
     def placement(self) -> StageRole:
@@ -130,10 +141,10 @@ class StageRunner:
     def _fed(self) -> int:
         """Micro-batches of the job this cluster fed so far (first stage), over every plan."""
         service = self.service
-        return self.role.data_start + (service.stats.completed if service is not None else 0)
+        return self._data_base + (service.stats.completed if service is not None else 0)
 
     def _train_wall_s(self) -> float:
-        return self.role.train_wall_s_start + (time.monotonic() - self._started)
+        return self._wall_base + (time.monotonic() - self._started)
 
     def metrics(self) -> StageMetrics:
         service = self.service
@@ -185,7 +196,7 @@ class StageRunner:
             epoch=role.epoch,
             cluster=role.cluster_index,
             num_clusters=role.num_clusters,
-            epoch_start=role.data_start,
+            epoch_start=self._epoch_start,
             micro_batches=fed,
             optimizer_steps=service.executor.num_steps if service is not None else role.optimizer_steps_start,
             samples=fed * self.job.batch_size,
@@ -271,22 +282,8 @@ class StageRunner:
         )
         service.on_exclude = self.on_exclude
         if role.shard_map is not None:
-            remaining = role.remaining_steps
-            # the closing round comes after the optimizer step of the job's last micro-batch
-            final_step = executor.num_steps + (
-                remaining // job.update_every if remaining is not None else 2**62
-            )
-            self.replicas = ReplicaAverager(
-                self.rpc,
-                executor,
-                role.shard_map,
-                period_steps=job.averaging_period_steps,
-                period_s=job.averaging_period_s,
-                final_step=final_step,
-                outer=job.outer_optimizer,
-            )
-            await self.replicas.start()
-            service.on_step = self.replicas.on_step
+            self.replicas = await self._start_replicas(role.shard_map, self._final_optimizer_step(role))
+        service.on_step = self._replica_step
         self.state_hook = await attach_stage_state(self, service)  # serves its state; checkpoints
         await service.start()
         self._started = time.monotonic()
@@ -341,15 +338,16 @@ class StageRunner:
             yield batch
 
     async def _drive(self, service: StageService) -> None:
-        job, role = self.job, self.role
-        await service.wait_ready(timeout_s=120)
+        job = self.job
+        await service.wait_ready(timeout_s=self.ready_timeout_s)
+        role = self.role  # a move to a new plan in place may have come meanwhile
         train, held_out = self._data()
-        batches = cluster_batches(
+        self._batches = cluster_batches(
             job,
             train,
             cluster_index=role.cluster_index,
             num_clusters=role.num_clusters,
-            start=role.data_start,
+            start=self._data_base,
             stop=role.final_step,
         )
         eval_batches = [
@@ -366,7 +364,7 @@ class StageRunner:
                 self.eval_accuracy,
             )
             await self.publish_metrics()
-        gated = self._until_stopped(batches)  # lazy: the pipeline never flushes to look at a stop
+        gated = self._until_stopped(self._feed())  # lazy: the pipeline never flushes to look at a stop
         chunk = job.eval_every_steps or None
         while True:
             part = list(itertools.islice(gated, chunk)) if chunk else None

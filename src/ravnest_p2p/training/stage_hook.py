@@ -31,6 +31,7 @@ from ravnest_p2p.training.handover import (
     ExecutorSource,
     HandoverError,
     HandoverServer,
+    StaticSource,
     fetch_state,
     list_state,
 )
@@ -39,6 +40,7 @@ from ravnest_p2p.training.stage_state import (
     OPTIM_PREFIX,
     StageState,
     capture_meta,
+    capture_state,
     entries_digest,
     expected_entries,
     live_tensors,
@@ -120,6 +122,25 @@ class StageStateHook:
         )
         if self.writer is not None:  # its checkpoints too, for owners after a restart (checkpoint_fetch)
             server.serve_checkpoints(self.job.job_id, self.writer.config.dir, allowed=self.allowed)
+
+    async def rebase(self, epoch: int, allowed: Iterable[str]) -> None:
+        """The stage keeps running on plan `epoch` (`training.continuity`): serve it live there to
+        `allowed`, and serve the old epoch as a snapshot taken now (a copy of the stage) to the old and new
+        members: the re-formed clusters' new owners fetch it as the old plan's state, and a live stage
+        that keeps training would change under their transfer (`handover.StateChanged`)."""
+        server = HandoverServer.of(self.rpc)
+        progress = dict(self._progress()) if self._progress else None
+        snapshot = await run_in_compute_thread(capture_state, self.executor, progress=progress)
+        old_epoch, members = self.epoch, self.allowed | frozenset(allowed)
+        server.publish(
+            self.job.job_id, StaticSource(snapshot, f"epoch-{old_epoch}"), epoch=old_epoch, allowed=members
+        )
+        self.epoch, self.allowed = epoch, frozenset(allowed)
+        server.publish(
+            self.job.job_id, ExecutorSource(self.executor, self._progress), epoch=epoch, allowed=self.allowed
+        )
+        if self.writer is not None:
+            server.serve_checkpoints(self.job.job_id, self.writer.config.dir, allowed=members)
 
     async def on_step(self, step: int) -> None:
         """After an optimizer step (the stage's work waits): write a checkpoint if one is due."""

@@ -13,8 +13,11 @@ weights on every plan change, and forget in a restarted process that a job had e
 cycle is one object over injected seams (DHT, plan source, runner factory, state source, suspect
 reporter), unit-tested with in-memory fakes; `node.py` only wires the real ones.
 
-Known limits (see docs/elastic.md): every stage of every cluster restarts on a new plan (clusters that
-did not change are not kept running); state moves between peers only through a `StateSource`, which the
+A stage whose cluster the new plan did not change (same peers, order and layers: `continuity`) is not
+stopped: the runner moves to the new role in place (`StageRunner.rebase`) and keeps training.
+
+Known limits (see docs/elastic.md): the planner rarely keeps a cluster whole, so most re-plans still
+restart every stage; state moves between peers only through a `StateSource`, which the
 checkpoint helper's `fetch_state` provides; without one, a stage keeps what this process held and other
 layers start from the initial weights.
 """
@@ -28,6 +31,8 @@ from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from ravnest_p2p.discovery import dht_time
+from ravnest_p2p.planning import Plan
+from ravnest_p2p.training.continuity import continues_in_place
 from ravnest_p2p.training.datasets import load_job_data, missing_parts
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.jobs import read_job_signed
@@ -137,6 +142,7 @@ class JobSupervisor:
         self.runner: StageRun | None = None
         self.last_origin: dict[str, str] = {}  # where the last run's state came from, by layer span
         self.runs: list[StageRole] = []  # every role this supervisor started, in order (tests, status)
+        self.moved_in_place = 0  # re-plans a running stage went through without stopping
         self._failed_epoch: dict[str, tuple[int, int]] = {}  # job -> (epoch it last failed on, failures)
         self._failed_at = -1e18  # loop time of the last failure
         self._ran: set[tuple[str, int]] = set()  # (job, epoch) this process started
@@ -186,6 +192,7 @@ class JobSupervisor:
             holds_state=(job.job_id, role.epoch) in self._ran,
             now=dht_time(),
             idle_after_s=self.config.idle_after_s,
+            cluster=role.cluster_index,
         )
         if not allowed:
             if progress is not None and progress.finished:
@@ -202,6 +209,15 @@ class JobSupervisor:
         since_failure_s = asyncio.get_running_loop().time() - self._failed_at
         if role.epoch == failed_epoch and since_failure_s < self.config.retry_delay_s:
             return None  # a dead neighbour's re-plan usually comes within this delay: run there instead
+        if role.epoch == failed_epoch and self.alive is not None:
+            gone = set(role.peers) - set(self.alive()) - {self.peer_id}
+            if gone:  # this pipeline cannot form again: wait for the plan that goes around them
+                if self._refused != (job.job_id, -role.epoch):
+                    self._refused = (job.job_id, -role.epoch)
+                    logger.info(
+                        "job %s: not retrying epoch %d without %s", job.job_id, role.epoch, sorted(gone)
+                    )
+                return None
         await self._run(job, owner, role, progress)
         return role
 
@@ -361,6 +377,12 @@ class JobSupervisor:
             (state,) = prepared
             placed = job.model_copy(update={"assignment": role.assignment})
             runner = self.runner = self.start_runner(placed, role, state)
+            if self._failed_epoch.get(job.job_id, (None, 0))[0] == role.epoch and hasattr(
+                runner, "ready_timeout_s"
+            ):
+                # a retry on the plan that failed: a neighbour not back within seconds is not coming;
+                # the stage names it (`NeighbourLost`) and the supervisor waits for the next plan
+                runner.ready_timeout_s = self.config.retry_ready_s
             task = self._tasks.spawn(runner.run(), name=f"job-{job.job_id}-{role.epoch}")
             try:
                 await self._watch(job, owner, role, runner, task)
@@ -404,14 +426,19 @@ class JobSupervisor:
     async def _watch(
         self, job: JobSpec, owner: str, role: StageRole, runner: StageRun, task: asyncio.Task[Any]
     ) -> None:
+        progress: ProgressView | None = None
         while not task.done():
             await asyncio.wait({task}, timeout=self.config.poll_s)
             if task.done():
                 break
             plan = self.plans.active_plan if self.plans is not None else None
-            if self._draining.is_set() or (
-                role.on_agreed_plan and plan is not None and plan.epoch != role.epoch
-            ):
+            moved = role.on_agreed_plan and plan is not None and plan.epoch != role.epoch
+            if moved and not self._draining.is_set() and plan is not None:
+                # a cluster the new plan did not change keeps training: the stage moves in place
+                kept = await self._move_in_place(job, role, runner, plan, progress)
+                if kept is not None:
+                    role, moved = kept, False
+            if self._draining.is_set() or moved:
                 why = (
                     "draining"
                     if self._draining.is_set()
@@ -440,6 +467,40 @@ class JobSupervisor:
         self._keep(role, runner)
         self.finished.add(job.job_id)
         logger.info("job %s finished here", job.job_id)
+
+    async def _move_in_place(
+        self, job: JobSpec, role: StageRole, runner: StageRun, plan: Plan, progress: ProgressView | None
+    ) -> StageRole | None:
+        """Move the running stage to its role on `plan` without stopping it, if its cluster is unchanged
+        there (`continuity.continues_in_place`); returns the new role, or None for a hand-over."""
+        rebase = getattr(runner, "rebase", None)
+        if rebase is None or self.plans is None or self.plans.active_workload != job.job_id:
+            return None
+        new = role_for(job, plan, self.peer_id, progress=progress)
+        if new is None or not continues_in_place(role, new):
+            return None
+        try:
+            await rebase(new)
+        except Exception as exc:  # e.g. the stage is still starting: hand it over the usual way
+            logger.warning("job %s: moving stage %d in place failed: %r", job.job_id, role.stage_index, exc)
+            return None
+        logger.info(
+            "job %s: plan moved to epoch %d; cluster unchanged, stage %d keeps training (cluster %d -> %d)",
+            job.job_id,
+            new.epoch,
+            new.stage_index,
+            role.cluster_index,
+            new.cluster_index,
+        )
+        if self.serve_to is not None:  # the re-formed clusters' new owners may pull the old epoch's state
+            self.serve_to(job.job_id, role.epoch, role.plan_peers | new.plan_peers)
+        self.role = new
+        self.runs.append(new)
+        self.moved_in_place += 1
+        self._ran.add((job.job_id, new.epoch))
+        if self.prepare is not None:  # the new replicas' addresses, for the averaging rings
+            self._tasks.spawn(awaited(self.prepare(new)), name=f"prepare-{job.job_id}-{new.epoch}")
+        return new
 
     def _keep(self, role: StageRole, runner: StageRun) -> None:
         if runner.held_state is not None:
@@ -513,7 +574,7 @@ class JobSupervisor:
             # a leaving peer's own membership may never activate the plan that leaves it out: the job's
             # progress tells when the new plan's pipelines train (they pulled their state before)
             progress = await self._read(read_progress(self.dht, role.job_id, owner_peer_id=None))
-            if progress is not None and progress.epoch > role.epoch and progress.started_epoch:
+            if progress is not None and progress.epoch > role.epoch and progress.all_started:
                 return
             await asyncio.sleep(min(0.5, self.config.poll_s))  # polls, bounded by the grace
 

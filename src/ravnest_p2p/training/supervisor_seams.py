@@ -60,6 +60,11 @@ class SupervisorConfig(BaseModel):
         ge=0,
         description="wait before retrying one plan (a dead neighbour's re-plan comes first)",
     )
+    retry_ready_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="a retried first stage waits this long for its stages (a first run: 120 s)",
+    )
     idle_after_s: float = Field(
         default=30.0,
         ge=0,
