@@ -29,6 +29,7 @@ from ravnest_p2p.measurement import (
     LinkPublisher,
     NetworkMeter,
     ProbeConfig,
+    framework_overhead_bytes,
     free_memory_bytes,
     measure_matmul_flops,
 )
@@ -153,6 +154,7 @@ class Peer:
         self._maddrs: list[str] = []
         self._tasks = TaskOwner(f"peer-{transport.peer_id[-6:]}")
         self._closed = False
+        self._overhead_bytes: int | None = None
         self.supervisor = JobSupervisor(
             SupervisorConfig(poll_s=config.job_poll_s, drain_grace_s=config.drain_grace_s),
             peer_id=transport.peer_id,
@@ -243,6 +245,8 @@ class Peer:
         runner = start_mode_runner(self.rpc, self.dht, job, role, state, on_exclude=report)
         if isinstance(runner, StageRunner):
             runner.checkpoint_dir = self.config.checkpoint_dir
+            if self.config.max_memory_gb is not None:
+                runner.memory_available_bytes = self._free_memory_bytes()
         return runner
 
     def _serve_state_to(self, job_id: str, epoch: int, peer_ids: frozenset[str]) -> None:
@@ -320,6 +324,15 @@ class Peer:
             for link in chosen
         )
 
+    def _free_memory_bytes(self) -> int:
+        """Memory for stages: the cap minus this peer's own baseline, measured once (`measurement.memory`)."""
+        if self._overhead_bytes is None:
+            self._overhead_bytes = framework_overhead_bytes()
+            logger.info("framework overhead: %.0f MiB (process and p2p daemon)", self._overhead_bytes / 2**20)
+        return free_memory_bytes(
+            self.config.device, cap_gb=self.config.max_memory_gb, overhead_bytes=self._overhead_bytes
+        )
+
     def _make_record(self) -> PeerRecord:
         up, down, rtt = self.meter.summary()
         flops, emulate = self.flops, self.config.emulate
@@ -335,7 +348,7 @@ class Peer:
             software_version=f"ravnest_p2p/{__version__} py/{platform.python_version()}",
             device=self.config.device,
             flops=flops,
-            free_memory_bytes=free_memory_bytes(self.config.device, cap_gb=self.config.max_memory_gb),
+            free_memory_bytes=self._free_memory_bytes(),
             upload_mbps=up,
             download_mbps=down,
             rtt_ms=rtt,

@@ -7,11 +7,23 @@ the measured figures in the records.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
 
 from ravnest_p2p.discovery.records import PeerRecord
-from ravnest_p2p.models import build_model, profile_layers, sample_input
-from ravnest_p2p.planning import JobParams, PeerCapacity, Plan, make_plan
+from ravnest_p2p.models import (
+    build_layers,
+    build_model,
+    count_layers,
+    get_model_spec,
+    inter_layer_spec,
+    profile_layers,
+    sample_input,
+)
+from ravnest_p2p.planning import InfeasiblePlan, JobParams, PeerCapacity, Plan, make_plan
+from ravnest_p2p.planning.memory import memory_shortfall
 from ravnest_p2p.planning.window import planning_window
 from ravnest_p2p.training.job import JobSpec, StagePlacement
 from ravnest_p2p.types import LayerProfile, PeerState
@@ -21,19 +33,55 @@ __all__ = [
     "capacities_from_records",
     "job_params",
     "layer_profiles",
+    "optimizer_slots_name",
     "plan_assignment",
+    "stage_profiles",
 ]
 
 # A peer that has not measured its link yet is planned as if on a modest home connection.
 _DEFAULT_LINK_MBPS = 10.0
 
 
+def _stage_input(job: JobSpec, first_layer: int, batch_size: int) -> Tensor:
+    if first_layer == 0:
+        return sample_input(job.model, job.model_params, batch_size=batch_size)
+    spec = inter_layer_spec(job.model, job.model_params, first_layer - 1)
+    generator = torch.Generator().manual_seed(0)
+    if spec.dtype.is_floating_point:
+        return torch.randn((batch_size, *spec.shape), generator=generator, dtype=spec.dtype)
+    return torch.randint(0, spec.high or 2, (batch_size, *spec.shape), generator=generator, dtype=spec.dtype)
+
+
+def _one_at_a_time(job: JobSpec, first_layer: int, end_layer: int) -> Iterator[nn.Module]:
+    for index in range(first_layer, end_layer):
+        yield build_layers(job.model, job.model_params, seed=job.seed, start=index, end=index + 1)[0]
+
+
+def stage_profiles(job: JobSpec, first_layer: int, end_layer: int) -> list[LayerProfile]:
+    """Profiles of layers [first_layer, end_layer) of the job's model.
+
+    Models that build by range (`ModelSpec.build_range`) build only those layers, one at a time, fed a
+    random input of the stage's input spec: a 1B model is profiled in the memory of its largest layer.
+    Others are built whole and profiled from their first layer.
+    """
+    optimizer = optimizer_slots_name(job)
+    if get_model_spec(job.model).build_range is None:
+        layers = build_model(job.model, job.model_params, seed=job.seed)
+        return profile_layers(layers, sample_input(job.model, job.model_params), optimizer=optimizer)[
+            first_layer:end_layer
+        ]
+    x = _stage_input(job, first_layer, batch_size=2)
+    return profile_layers(_one_at_a_time(job, first_layer, end_layer), x, optimizer=optimizer)
+
+
 def layer_profiles(job: JobSpec) -> list[LayerProfile]:
-    layers = build_model(job.model, job.model_params, seed=job.seed)
-    optimizer = (
-        "sgd_momentum" if job.optimizer.name == "sgd" and job.optimizer.momentum else job.optimizer.name
-    )
-    return profile_layers(layers, sample_input(job.model, job.model_params), optimizer=optimizer)
+    """Profiles of every layer of the job's model (see `stage_profiles`)."""
+    return stage_profiles(job, 0, count_layers(job.model, job.model_params))
+
+
+def optimizer_slots_name(job: JobSpec) -> str:
+    """The `models.profile.OPTIMIZER_STATE_SLOTS` key of the job's optimizer."""
+    return "sgd_momentum" if job.optimizer.name == "sgd" and job.optimizer.momentum else job.optimizer.name
 
 
 def capacities_from_records(records: Sequence[PeerRecord]) -> list[PeerCapacity]:
@@ -65,7 +113,7 @@ def job_params(job: JobSpec, *, min_stages: int | None = None, num_layers: int |
         num_layers: the model's layer count (the most stages a cluster can have); built if None.
     """
     if num_layers is None:
-        num_layers = len(build_model(job.model, job.model_params))
+        num_layers = count_layers(job.model, job.model_params)
     return JobParams(
         micro_batch_size=job.batch_size,
         max_in_flight=planning_window(job.max_in_flight, num_layers),
@@ -86,12 +134,17 @@ def assignment_from_plan(plan: Plan) -> tuple[tuple[StagePlacement, ...], ...]:
 def plan_assignment(
     records: Sequence[PeerRecord], job: JobSpec, *, epoch: int = 0, min_stages: int | None = None
 ) -> tuple[tuple[StagePlacement, ...], ...]:
-    """Clusters and stages for `job` over the live `records` (raises `InfeasiblePlan` if none fit)."""
+    """Clusters and stages for `job` over the live `records`.
+
+    Raises:
+        InfeasiblePlan: no cluster fits; the message says how much memory the model needs and what the
+            peers offer (`planning.memory.memory_shortfall`).
+    """
     layers = layer_profiles(job)
-    plan = make_plan(
-        capacities_from_records(records),
-        layers,
-        job_params(job, min_stages=min_stages, num_layers=len(layers)),
-        epoch=epoch,
-    )
+    peers = capacities_from_records(records)
+    params = job_params(job, min_stages=min_stages, num_layers=len(layers))
+    plan = make_plan(peers, layers, params, epoch=epoch)
+    if not plan.clusters:
+        why = memory_shortfall(peers, layers, params) or "no cluster of these peers can hold it"
+        raise InfeasiblePlan(f"cannot plan job {job.job_id!r} ({job.model}): {why}")
     return assignment_from_plan(plan)
