@@ -32,6 +32,7 @@ from ravnest_p2p.measurement import (
     framework_overhead_bytes,
     free_memory_bytes,
     measure_matmul_flops,
+    release_free_memory,
 )
 from ravnest_p2p.membership import DhtPlanBoard, MembershipConfig, MembershipService
 from ravnest_p2p.planning import JobParams
@@ -160,7 +161,7 @@ class Peer:
             peer_id=transport.peer_id,
             dht=dht,
             plans=self.membership,
-            workload=_workload,
+            workload=self._workload,
             start_runner=self._start_runner,
             state_source=HandoverStateSource(self.rpc, dht=dht, checkpoint_dir=config.checkpoint_dir),
             suspects=self.membership,
@@ -324,6 +325,22 @@ class Peer:
             for link in chosen
         )
 
+    async def _workload(self, job: JobSpec) -> tuple[JobParams, list[LayerProfile]]:
+        """What the membership plans a job with: its params and layer profile (a dry run of the model).
+
+        The dry run leaves some memory resident that the process cannot give back (freed heap pages in
+        use by fragments, allocator caches): the overhead is measured again after it, so what the peer
+        announces and checks its stage against is what is really left (docs/memory.md).
+        """
+        layers = await run_in_compute_thread(layer_profiles, job)
+        release_free_memory()
+        overhead = framework_overhead_bytes()
+        if self._overhead_bytes is None or overhead > self._overhead_bytes:
+            self._overhead_bytes = overhead
+            logger.info("framework overhead: %.0f MiB after the dry run of %s", overhead / 2**20, job.model)
+            self.announcer.refresh_soon()
+        return job_params(job, num_layers=len(layers)), layers
+
     def _free_memory_bytes(self) -> int:
         """Memory for stages: the cap minus this peer's own baseline, measured once (`measurement.memory`)."""
         if self._overhead_bytes is None:
@@ -394,9 +411,3 @@ class Peer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-
-async def _workload(job: JobSpec) -> tuple[JobParams, list[LayerProfile]]:
-    """What the membership plans a job with: its params and layer profile (a dry run of the model)."""
-    layers = await run_in_compute_thread(layer_profiles, job)
-    return job_params(job, num_layers=len(layers)), layers

@@ -42,15 +42,23 @@ def _saved_bytes(layer: nn.Module, x: Tensor) -> int:
     param_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     seen: dict[int, int] = {}
 
-    def pack(t: Tensor) -> Tensor:
+    kept: list[Tensor] = []  # alive until the forward ends, so no storage is freed and reused meanwhile
+
+    def pack(t: Tensor) -> None:
         storage = t.untyped_storage()
         if storage.data_ptr() not in param_storages:
             seen[storage.data_ptr()] = storage.nbytes()
-        return t
+        kept.append(t)
+        # the graph keeps nothing: returning the tensor would let an op that saves its own output hold
+        # itself through its grad_fn, a cycle the garbage collector cannot see (it leaked every layer)
+
+    def unpack(_: None) -> Tensor:
+        raise AssertionError("the profiler never runs backward")
 
     inputs = x.detach().requires_grad_(x.is_floating_point())
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         layer(inputs)
+    kept.clear()
     return sum(seen.values())
 
 

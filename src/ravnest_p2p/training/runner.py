@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ravnest_p2p.discovery import RunDHT, dht_time
 from ravnest_p2p.errors import RavnestError
+from ravnest_p2p.measurement.memory import release_free_memory
 from ravnest_p2p.models import count_layers
 from ravnest_p2p.planning.memory import stage_memory
 from ravnest_p2p.runtime.service import PipelineConfig, StageService
@@ -264,6 +265,7 @@ class StageRunner:
         job, role = self.job, self.role
         assert self.memory_available_bytes is not None
         profiles = await run_in_compute_thread(stage_profiles, job, role.first_layer, role.end_layer)
+        release_free_memory()
         params = job_params(job, num_layers=count_layers(job.model, job.model_params))
         params = params.model_copy(update={"max_in_flight": role.window})
         need = check_stage_fits(

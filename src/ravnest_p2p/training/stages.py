@@ -69,7 +69,15 @@ def build_stage(job: JobSpec, first_layer: int, end_layer: int, *, max_in_flight
 
 
 def load_dataset(job: JobSpec) -> tuple[ArrayDataset, ArrayDataset]:
-    """(train, held-out) splits of the job's data set."""
+    """(train, held-out) splits of the job's data set (``max_eval_samples`` caps the held-out split)."""
+    train, held_out = _load_dataset(job)
+    limit = job.dataset_config.get("max_eval_samples")
+    if limit is not None and int(limit) < len(held_out):
+        held_out = ArrayDataset(held_out.inputs[: int(limit)], held_out.labels[: int(limit)])
+    return train, held_out
+
+
+def _load_dataset(job: JobSpec) -> tuple[ArrayDataset, ArrayDataset]:
     options = dict(job.dataset_config)
     if job.dataset == "digits":
         return load_digits(seed=int(options.get("split_seed", 0)))
