@@ -129,3 +129,33 @@ def test_profiling_keeps_no_layer_alive() -> None:
     del layers
     gc.collect()
     assert all(ref() is None for ref in refs)
+
+
+def test_a_slow_peer_set_aside_comes_back_when_the_layers_need_its_memory() -> None:
+    # 24 equal layers, 3 fit a peer: 8 peers are needed. One peer is 50x slower and would be a spare
+    # (the other 7 hold the model's total memory), but 24 layers do not split over 7 peers of 3 each.
+    from ravnest_p2p.planning import make_plan
+
+    layer = LayerProfile(
+        name="b",
+        flops_per_sample=1e6,
+        param_bytes=1000,
+        optimizer_state_bytes=0,
+        activation_bytes_per_sample=1,
+    )
+    job = JobParams(micro_batch_size=1, max_in_flight=1, memory_headroom=1.0)
+    per_layer = layer_memory_bytes(layer, job)
+    peers = [
+        PeerCapacity(
+            peer_id=f"p{i}",
+            flops_per_s=1e7 if i == 3 else 5e8,
+            memory_bytes=int(3.5 * per_layer),
+            upload_bytes_per_s=1e7,
+            download_bytes_per_s=1e7,
+        )
+        for i in range(8)
+    ]
+    plan = make_plan(peers, [layer] * 24, job, epoch=0)
+    assert len(plan.clusters) == 1
+    assert len(plan.clusters[0].stages) == 8
+    assert plan.spare_peer_ids == ()
