@@ -257,7 +257,10 @@ class StageRunner:
         service = self.service
         if service is None:
             return
-        state = capture_state(service.executor)
+        # a finished stage never steps again: its held state takes the tensors over instead of doubling
+        # them (planning.memory does not budget a second copy); a cancelled or failed one may still be
+        # touched by a late message while it winds down, so it keeps a snapshot
+        state = capture_state(service.executor, copy=not self._done)
         self.held_state = HeldState(self.role.first_layer, self.role.end_layer, state)
 
     async def _check_memory(self) -> None:
