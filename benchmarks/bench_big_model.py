@@ -9,14 +9,16 @@ error), then publishes the job with no assignment: the swarm plans it (membershi
 "Larger than a peer" counts the model's training footprint with its optimizer: weights + gradients +
 Adam's two moments = 16 bytes per parameter, before any pipeline stash or activations.
 
-Per stage we report the predicted peak (the peer's framework overhead measured at its start, plus
+Per stage we report the predicted peak (the framework overhead the peer measured after its dry run, plus
 `planning.memory.stage_memory` of its layers for the window it runs) and the measured peak: the sum of
 ``VmHWM`` of the processes in its cgroup (the peer and its p2p daemon), read from /proc at the end of the
 run while they are still alive; the cgroup's own ``memory.max_usage_in_bytes`` (which also counts page
 cache) and OOM-kill count are reported beside them.
 
-Run (root, ~15 min on a quiet 2-core host): ``python -m benchmarks.bench_big_model``; ``--quick`` runs
-a small model on 4 peers in ~3 min (a smoke test of the harness, not the acceptance run).
+Run (root; ~4 min here, 9 peers at 1.70 GB): ``python -m benchmarks.bench_big_model``. ``--quick`` runs
+the 10m preset on 4 peers at 0.9 GB, which plans 3 data-parallel clusters: a harness smoke test, not the
+acceptance run. Its one run predates the profiler-leak fix, and two of its peers were OOM-killed, so
+rerun it before relying on it. Replica averaging buffers are not in the memory model.
 """
 
 from __future__ import annotations
@@ -273,7 +275,8 @@ def main() -> None:
         f"Adam lr {job.optimizer.lr}. "
         f"{s['optimizer_steps']} optimizer steps in {s['wall_s']:.0f} s; loss (mean of first/last "
         f"polls) {s['loss_first']:.3f} -> {s['loss_last']:.3f}; OOM kills: {s['oom_kills']}. "
-        "Predicted peak = overhead measured at peer start + planning.memory.stage_memory; measured = sum of "
+        "Predicted peak = overhead the peer measured after its dry run + planning.memory.stage_memory; "
+        "measured = sum of "
         "VmHWM of the peer and its p2p daemon (cgroup max usage also counts page cache). Max |error| "
         f"{s['max_abs_error_pct']:.1f} %. Same model with a third of each peer's memory: "
         f"{s['too_small_error']!r}. Command: python -m benchmarks.bench_big_model"
