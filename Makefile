@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-unit test-integration test-e2e test-slow test-security lint format bench clean
+.PHONY: venv demo test test-unit test-integration test-e2e test-slow test-security docker-test lint format bench clean
 
 venv: $(STAMP)
 
@@ -44,6 +44,11 @@ test-slow: $(STAMP)
 # the whole hostile-input suite (fast and slow), its tally written to benchmarks/results/security.*
 test-security: $(STAMP)
 	RAVNEST_WRITE_RESULTS=1 $(PY) -m pytest -q -m 'slow or not slow' tests/security
+
+# the volunteer image and a 3-container compose swarm training digits (root + Docker; docs/docker.md).
+# Uses a running Docker daemon, or starts dockerd itself (bridge and pools in 198.18.0.0/15) and stops it.
+docker-test: $(STAMP)
+	RAVNEST_WRITE_RESULTS=1 $(PY) -m pytest -q -m docker tests/docker
 
 bench: $(STAMP)
 	$(PY) -m benchmarks

@@ -20,7 +20,9 @@ ALL = [
     "bench_overlap",
     "ist_theory",
     "ist_inprocess",
+    "ist_network",
     "backup_workers_sim",
+    "bench_backup_lab",
     "bench_trust_cost",
 ]
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from benchmarks.churn_accounting import ChurnEvent
 from ravnest_p2p.lab import NetnsLab, parse_profile
+from ravnest_p2p.lab.peer_presets import FAST_MEMBERSHIP_PEER_CONFIG
 from ravnest_p2p.lab.throttle import thread_env
 from ravnest_p2p.swarm import poll_until
 from ravnest_p2p.training.job import JobSpec
@@ -37,27 +38,8 @@ PORT = 31900
 NUM_PEERS = 8
 LINK_MBPS = 100.0
 TERM_GRACE_S = 90.0
-# Fast membership (as the e2e elastic tests): a dead peer's record expires in 6 s, dropped 3 s later.
-PEER_CONFIG = """
-record_ttl_s = 6.0
-directory_refresh_s = 0.5
-check_identity_free = false
-job_poll_s = 0.5
-status_interval_s = 30.0
-
-[probe]
-period_s = 300.0
-initial_probe_bytes = 65536
-max_probe_bytes = 131072
-
-[membership]
-gossip_period_s = 0.5
-stable_rounds = 3
-hysteresis_s = 1.0
-join_delay_s = 1.0
-grace_s = 3.0
-agreement_timeout_s = 20.0
-"""
+# fast membership (as the e2e elastic tests): a dead peer's record expires in 6 s, dropped 3 s later
+PEER_CONFIG = FAST_MEMBERSHIP_PEER_CONFIG
 
 
 def read_timeline(path: Path) -> list[dict[str, Any]]:

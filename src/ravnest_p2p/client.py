@@ -18,6 +18,7 @@ from ravnest_p2p.discovery import OWNERS_KEY, OwnersRecord, PeerDirectory, PeerR
 from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.membership import DhtPlanBoard
 from ravnest_p2p.training.checkpoint import load_checkpoint
+from ravnest_p2p.training.datasets import check_job
 from ravnest_p2p.training.handover import HandoverServer, StaticSource
 from ravnest_p2p.training.job import InitCheckpoint, JobSpec
 from ravnest_p2p.training.jobs import JOB_KEY, read_job, read_job_signed
@@ -146,9 +147,18 @@ class RunClient:
                 raise TimeoutError(f"only {len(records)} of {count} peers ready after {timeout_s:.0f}s")
             await asyncio.sleep(1.0)
 
-    def plan(self, records: Sequence[PeerRecord], job: JobSpec, *, min_stages: int | None = None) -> JobSpec:
-        """The job with an explicit assignment computed by the planner over `records`."""
-        return job.model_copy(update={"assignment": plan_assignment(records, job, min_stages=min_stages)})
+    def plan(
+        self,
+        records: Sequence[PeerRecord],
+        job: JobSpec,
+        *,
+        min_stages: int | None = None,
+        use_links: bool = True,
+    ) -> JobSpec:
+        """The job with an explicit assignment computed by the planner over `records`, with the link
+        matrix their records report (`use_links=False`: each peer's own up/down figures only)."""
+        assignment = plan_assignment(records, job, min_stages=min_stages, use_links=use_links)
+        return job.model_copy(update={"assignment": assignment})
 
     @property
     def peer_id(self) -> str:
@@ -161,9 +171,15 @@ class RunClient:
     async def publish_job(self, job: JobSpec, *, ttl_s: float = 3600.0) -> None:
         """Publish `job`. With an assignment it runs there; without, on the peers' agreed plan.
 
-        Peers of an owned run train it only if this client is the owner or a key the owner lists.
+        Peers of an owned run train it only if this client is the owner or a key the owner lists. The
+        job's model and data set must be known here too (a plugin: install it on this machine as well);
+        pin a local data set's digest first (`training.datasets.pin_digest`) so peers refuse other data.
+
+        Raises:
+            ValueError: unknown model or data set, or a config that does not validate.
         `ttl_s` may not exceed the ``job`` key's maximum (one day): republish to run longer.
         """
+        check_job(job)  # its model and data set exist (built-in or installed plugin), configs validate
         max_ttl_s = self.dht.max_ttl_s(JOB_KEY)
         if max_ttl_s is not None and ttl_s > max_ttl_s:
             raise ValueError(f"a job's ttl_s is at most {max_ttl_s:.0f} s (got {ttl_s:.0f})")
@@ -241,8 +257,13 @@ class RunClient:
         if job.assignment is not None:
             # an explicit assignment: a fixed set of clusters on epoch 0
             current = newest_epoch(await self.member_metrics(job, await self.metrics(job_id=job.job_id)))
-            # sync_backup: the job is done once N workers are (a dead backup never reports)
-            expected = job.sync_backup.num_required if job.mode == "sync_backup" else len(job.assignment)
+            # sync_backup: the job is done once N workers are (a dead backup never reports); ist: once
+            # one is (every live worker ends with the same final gather; a dead one never reports)
+            expected = len(job.assignment)
+            if job.mode == "sync_backup":
+                expected = job.sync_backup.num_required
+            elif job.mode == "ist":
+                expected = 1
             return current, _job_done(current, expected)
         progress = await self.progress(job.job_id)
         signed = await self.metrics(job_id=job.job_id)
@@ -315,7 +336,7 @@ class RunClient:
 
         def on_progress(snapshot: ProgressSnapshot) -> None:
             summary = summarize(snapshot, job.job_id)
-            history.add(summary)
+            history.add(summary, metrics=snapshot)
             renderer.update(history, summary)
 
         history.final = await self.wait_for_job(

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TextIO
 
+from ravnest_p2p.client_timeline import StageSample, stage_sample, timeline_figure
 from ravnest_p2p.training.metrics import StageMetrics
 
 if TYPE_CHECKING:
@@ -148,17 +149,27 @@ class HistoryPoint:
 
 @dataclass
 class JobHistory:
-    """What `RunClient.watch` saw: a point per cluster per poll, and the job's final metrics."""
+    """What `RunClient.watch` saw: a point per cluster per poll, each stage's counters per poll (`stages`,
+    for `timeline`), and the job's final metrics."""
 
     job_id: str
     points: list[HistoryPoint] = field(default_factory=list)
     final: list[StageMetrics] = field(default_factory=list)
+    stages: list[StageSample] = field(default_factory=list)
     started_at: float = field(default_factory=time.monotonic)
 
-    def add(self, summary: ProgressSummary, *, now: float | None = None) -> None:
+    def add(
+        self,
+        summary: ProgressSummary,
+        *,
+        now: float | None = None,
+        metrics: Sequence[StageMetrics] = (),
+    ) -> None:
+        """Record one poll: its summary and (for the timeline) every stage's metrics it read."""
         elapsed_s = (time.monotonic() if now is None else now) - self.started_at
         for cluster in summary.clusters:
             self.points.append(HistoryPoint(elapsed_s=elapsed_s, epoch=summary.epoch, progress=cluster))
+        self.stages.extend(stage_sample(m, elapsed_s) for m in metrics)
 
     @property
     def summary(self) -> ProgressSummary:
@@ -188,17 +199,25 @@ class JobHistory:
         return sorted({p.progress.cluster for p in self.points})
 
     def plot(self) -> Figure:
-        """Loss against micro-batches and samples/s against time, one line per cluster (needs matplotlib)."""
+        """Loss against micro-batches and samples/s against time, one line per cluster, and the averaging
+        rounds each cluster finished when there are several (needs matplotlib)."""
         from matplotlib.figure import Figure  # the ``dev`` extra: only plotting needs it
 
-        fig = Figure(figsize=(9, 3.2), layout="constrained")
-        loss_ax, rate_ax = fig.subplots(1, 2)
+        averaged = any(p.progress.averaging_rounds for p in self.points)
+        fig = Figure(figsize=(13.5 if averaged else 9, 3.2), layout="constrained")
+        axes = list(fig.subplots(1, 3 if averaged else 2))
+        loss_ax, rate_ax = axes[:2]
         for cluster in self.clusters():
-            loss_ax.plot(*self.series(cluster, "loss", x="loss_step"), marker=".", label=f"cluster {cluster}")
-            rate_ax.plot(*self.series(cluster, "samples_per_s"), marker=".", label=f"cluster {cluster}")
+            label = f"cluster {cluster}"
+            loss_ax.plot(*self.series(cluster, "loss", x="loss_step"), marker=".", label=label)
+            rate_ax.plot(*self.series(cluster, "samples_per_s"), marker=".", label=label)
+            if averaged:
+                axes[2].step(*self.series(cluster, "averaging_rounds"), where="post", label=label)
         loss_ax.set(title=f"{self.job_id}: training loss", xlabel="micro-batches", ylabel="loss")
         rate_ax.set(title="throughput", xlabel="seconds", ylabel="samples/s")
-        for ax in (loss_ax, rate_ax):
+        if averaged:
+            axes[2].set(title="averaging across clusters", xlabel="seconds", ylabel="rounds finished")
+        for ax in axes:
             ax.grid(alpha=0.3)
             if self.clusters():
                 ax.legend(loc="best", fontsize="small")
@@ -206,9 +225,21 @@ class JobHistory:
 
     def png(self) -> bytes:
         """`plot` as PNG bytes."""
-        buffer = io.BytesIO()
-        self.plot().savefig(buffer, format="png", dpi=90)
-        return buffer.getvalue()
+        return _png(self.plot())
+
+    def timeline(self) -> Figure:
+        """Each stage's compute, send and idle shares over time (`client_timeline`; needs matplotlib)."""
+        return timeline_figure(self.stages, title=f"{self.job_id}: where each stage's time went")
+
+    def timeline_png(self) -> bytes:
+        """`timeline` as PNG bytes."""
+        return _png(self.timeline())
+
+
+def _png(figure: Figure) -> bytes:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=90)
+    return buffer.getvalue()
 
 
 class ProgressRenderer(Protocol):

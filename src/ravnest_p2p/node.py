@@ -33,13 +33,16 @@ from ravnest_p2p.measurement import (
     free_memory_bytes,
     measure_matmul_flops,
     release_free_memory,
+    remeasure_matmul_flops,
 )
+from ravnest_p2p.measurement.compute_refresh import ComputeRefresher
 from ravnest_p2p.membership import DhtPlanBoard, MembershipConfig, MembershipService
 from ravnest_p2p.planning import JobParams
 from ravnest_p2p.training.handover import HandoverServer
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.mode_runner import start_mode_runner
 from ravnest_p2p.training.placement import job_params, layer_profiles
+from ravnest_p2p.training.plugins import advertised_plugins
 from ravnest_p2p.training.role import StageRole
 from ravnest_p2p.training.run_keys import run_keys
 from ravnest_p2p.training.runner import StageRunner
@@ -96,6 +99,9 @@ class PeerConfig(BaseModel):
     check_identity_free: bool = True
     job_poll_s: float = Field(default=2.0, gt=0)
     drain_grace_s: float = Field(default=30.0, ge=0, le=300)
+    # a running peer re-measures its compute this often, while not training (0: never); see
+    # measurement/compute_refresh.py
+    compute_refresh_s: float = Field(default=3600.0, ge=0)
     # where this peer keeps its stages' checkpoints when a job asks for them (None: $RAVNEST_CHECKPOINT_DIR,
     # else none are kept)
     checkpoint_dir: Path | None = None
@@ -120,13 +126,15 @@ class PeerStatus:
     upload_mbps: float
     download_mbps: float
     rtt_ms: float | None
+    unfit: str | None = None  # "job <id>: why this peer cannot serve it"
 
     def line(self) -> str:
         rtt = f"{self.rtt_ms:.1f} ms" if self.rtt_ms is not None else "-"
-        return (
+        line = (
             f"state={self.state} peers={self.num_peers_seen} compute={self.flops / 1e9:.1f} GFLOP/s "
             f"up={self.upload_mbps:.1f} Mbit/s down={self.download_mbps:.1f} Mbit/s rtt={rtt}"
         )
+        return line + (f" cannot-serve: {self.unfit}" if self.unfit else "")
 
 
 class Peer:
@@ -153,6 +161,7 @@ class Peer:
         self.state = PeerState.JOINING
         self.flops = 0.0
         self._maddrs: list[str] = []
+        self._plugins = advertised_plugins()
         self._tasks = TaskOwner(f"peer-{transport.peer_id[-6:]}")
         self._closed = False
         self._overhead_bytes: int | None = None
@@ -169,6 +178,7 @@ class Peer:
             alive=lambda: set(self.directory.peers),  # draining peers still serve their state
             prepare=self._prepare,
             on_state=self._set_state,
+            on_unfit=self.announcer.refresh_soon,
         )
 
     @classmethod
@@ -221,11 +231,29 @@ class Peer:
             self.membership.add_listener(lambda _plan: self.announcer.refresh_soon())
             self._tasks.spawn(self.membership.run(), name="membership")
         self._tasks.spawn(self.supervisor.run(), name="jobs")
+        if self.config.compute_refresh_s > 0:
+            self._tasks.spawn(self._compute_refresher().run(), name="compute-refresh")
         logger.info("peer %s ready: %.1f GFLOP/s", self.peer_id, self.flops / 1e9)
         if self.config.run_owner is None:
             logger.warning(
                 "run %r has no owner: this peer trains anyone's job (see --run-owner)", self.config.run_id
             )
+
+    def _compute_refresher(self) -> ComputeRefresher:
+        async def remeasure() -> float | None:
+            return await run_in_compute_thread(remeasure_matmul_flops, self.config.device, self.config.dtype)
+
+        def changed(flops: float) -> None:
+            self.flops = flops
+            self.announcer.refresh_soon()
+
+        return ComputeRefresher(
+            period_s=self.config.compute_refresh_s,
+            is_idle=lambda: self.state == PeerState.READY,
+            remeasure=remeasure,
+            current=lambda: self.flops,
+            on_change=changed,
+        )
 
     @property
     def peer_id(self) -> str:
@@ -359,6 +387,7 @@ class Peer:
             down = min(down, emulate.download_mbps or down)
         links = self._published_links()
         epoch, cluster, stage = self.membership.position() if self.membership else (0, None, None)
+        unfit_job, unfit_reason = self.supervisor.unfit or (None, None)
         return PeerRecord(
             peer_id=self.peer_id,
             maddrs=tuple(self._maddrs),
@@ -377,6 +406,10 @@ class Peer:
             run_owner=self.config.run_owner,
             updated_at=dht_time(),
             links=links,
+            plugin_models=self._plugins[0],
+            plugin_datasets=self._plugins[1],
+            unfit_job=unfit_job,
+            unfit_reason=unfit_reason,
         )
 
     def status(self) -> PeerStatus:
@@ -389,6 +422,9 @@ class Peer:
             upload_mbps=up,
             download_mbps=down,
             rtt_ms=rtt,
+            unfit=f"job {self.supervisor.unfit[0]}: {self.supervisor.unfit[1]}"
+            if self.supervisor.unfit
+            else None,
         )
 
     async def aclose(self, *, drain: bool = True) -> None:

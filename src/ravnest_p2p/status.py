@@ -28,6 +28,7 @@ __all__ = [
     "fetch_run",
     "format_owner",
     "format_plan",
+    "format_serving",
     "format_table",
     "main",
     "no_peers_hint",
@@ -111,7 +112,22 @@ def format_table(records: Sequence[PeerRecord]) -> str:
             f"{r.upload_mbps:>9.1f} {r.download_mbps:>9.1f} {rtt:>7} {r.epoch:>5} {place:>7}"
         )
     lines.append(f"{len(records)} peers")
+    lines += format_serving(records)
     return "\n".join(lines)
+
+
+def format_serving(records: Sequence[PeerRecord]) -> list[str]:
+    """A line per peer that serves plugins, and per peer that said it cannot serve a job (and why)."""
+    lines = []
+    for r in records:
+        if r.plugin_models or r.plugin_datasets:
+            lines.append(
+                f"…{r.peer_id[-12:]} serves plugin models [{', '.join(r.plugin_models)}], "
+                f"data sets [{', '.join(r.plugin_datasets)}]"
+            )
+        if r.unfit_job is not None:
+            lines.append(f"…{r.peer_id[-12:]} cannot serve job {r.unfit_job}: {r.unfit_reason or '?'}")
+    return lines
 
 
 def no_peers_hint(run_id: str, *, run_id_given: bool) -> str:

@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import Any
 
 from ravnest_p2p.lab.launcher import Swarm, SwarmState, load_state, stop_swarm
+from ravnest_p2p.utils import StretchedDeadline
 
 __all__ = ["LocalSwarm", "PeerProcess", "Swarm", "main", "poll_until", "swarm_status"]
 
@@ -43,11 +44,12 @@ _PEER_ID_RE = re.compile(r"ravnest_p2p peer (\S+) ")
 def poll_until(
     predicate: Callable[[], bool], timeout_s: float, *, what: str, interval_s: float = 0.1
 ) -> None:
-    """Poll `predicate` until true; TimeoutError naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
+    """Poll `predicate` until true; TimeoutError naming `what` after `timeout_s`, stretched by the host's
+    load (`utils.StretchedDeadline`: peers start slowly on a busy host)."""
+    deadline = StretchedDeadline(timeout_s)
     while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        if deadline.expired():
+            raise TimeoutError(f"timed out after {deadline.describe()} waiting for {what}")
         time.sleep(interval_s)
 
 
@@ -110,12 +112,15 @@ class LocalSwarm:
         per_peer_args: Sequence[Sequence[str]] | None = None,
         workdir: str | os.PathLike[str] | None = None,
         env: dict[str, str] | None = None,
+        per_peer_env: Sequence[dict[str, str]] | None = None,
         startup_timeout_s: float = 60.0,
     ) -> None:
         if bootstrap not in ("peer", "hivemind-dht"):
             raise ValueError("bootstrap must be 'peer' or 'hivemind-dht'")
         if per_peer_args is not None and len(per_peer_args) != num_peers:
             raise ValueError("per_peer_args needs one entry per peer")
+        if per_peer_env is not None and len(per_peer_env) != num_peers:
+            raise ValueError("per_peer_env needs one entry per peer")
         self.num_peers = num_peers
         self.run_id = run_id
         self.run_owner = run_owner
@@ -127,6 +132,10 @@ class LocalSwarm:
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="ravnest-swarm-"))
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # e.g. a PYTHONPATH with a plugin package for some peers only
+        self.per_peer_env = (
+            [dict(e) for e in per_peer_env] if per_peer_env else [{} for _ in range(num_peers)]
+        )
         self.startup_timeout_s = startup_timeout_s
         self.bootstrap: PeerProcess | None = None
         self.peers: list[PeerProcess] = []
@@ -136,7 +145,7 @@ class LocalSwarm:
         assert self.bootstrap is not None, "swarm not started"
         return self.bootstrap.maddrs
 
-    def _spawn(self, name: str, argv: list[str]) -> PeerProcess:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> PeerProcess:
         log_path = self.workdir / f"{name}.log"
         log = log_path.open("wb")
         try:
@@ -145,7 +154,7 @@ class LocalSwarm:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self.env,
+                env={**self.env, **(env or {})},
                 cwd=self.workdir,
                 start_new_session=True,
             )
@@ -170,7 +179,8 @@ class LocalSwarm:
                 self.bootstrap = self._spawn("bootstrap", self._peer_argv([]))
             self.bootstrap.wait_ready(self.startup_timeout_s)
             for i in range(self.num_peers):
-                self.peers.append(self._spawn(f"peer{i}", self._peer_argv(self.per_peer_args[i])))
+                argv = self._peer_argv(self.per_peer_args[i])
+                self.peers.append(self._spawn(f"peer{i}", argv, self.per_peer_env[i]))
             for peer in self.peers:
                 peer.wait_ready(self.startup_timeout_s)
         except BaseException:

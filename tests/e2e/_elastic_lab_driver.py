@@ -30,6 +30,7 @@ from typing import Any
 from ravnest_p2p.client import RunClient, newest_epoch
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import StageMetrics
+from ravnest_p2p.utils import StretchedDeadline
 
 INITIAL_LOSS = 2.30  # ln(10)
 _RESUMED = re.compile(r"resumed at micro-batch (\d+): held-out loss ([0-9.]+)")
@@ -37,10 +38,10 @@ _EVALUATED = re.compile(r"\] micro-batch (\d+): held-out loss ([0-9.]+)")
 
 
 async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout_s: float, *, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = StretchedDeadline(timeout_s)  # longer on a busy host
     while not await predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        if deadline.expired():
+            raise TimeoutError(f"timed out after {deadline.describe()} waiting for {what}")
         await asyncio.sleep(0.25)
 
 

@@ -16,7 +16,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from ravnest_p2p.dashboard import DashboardServer
 from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.swarm import LocalSwarm
 from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.utils import StretchedDeadline
 from tests.e2e._browser import (
     CHROMIUM,
     SKIP_REASON,
@@ -44,13 +44,13 @@ RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 async def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 1.0):
     """Poll a blocking `predicate` off the event loop (the client's DHT keeps running) until truthy."""
-    deadline = time.monotonic() + timeout_s
+    deadline = StretchedDeadline(timeout_s)  # longer on a busy host
     while True:
         value = await asyncio.to_thread(predicate)
         if value:
             return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        if deadline.expired():
+            raise TimeoutError(f"timed out after {deadline.describe()} waiting for {what}")
         await asyncio.sleep(interval_s)
 
 

@@ -31,7 +31,9 @@ import msgpack
 import torch
 from pydantic import ValidationError
 
+from ravnest_p2p.averaging.deltawire import WIRE_CODEC_IDS
 from ravnest_p2p.averaging.messages import StreamHello
+from ravnest_p2p.averaging.pseudograd import DeltaCompression
 from ravnest_p2p.errors import InvalidMessage, PayloadTooLarge
 from ravnest_p2p.transport import Compression, decode_tensor, encode_tensor
 from ravnest_p2p.transport.limits import MAX_RING_HELLO_BYTES
@@ -43,6 +45,7 @@ __all__ = [
     "Pacer",
     "PartHeader",
     "all_finite",
+    "codec_id",
     "decode_payload",
     "encode_payload",
     "max_payload_bytes",
@@ -67,7 +70,13 @@ _READ_CHUNK_BYTES = 1 << 20
 _CODEC_OVERHEAD_BYTES = 64 << 10
 
 CODEC_IDS = {c: i for i, c in enumerate(Compression)}
-_CODECS = {i: c for c, i in CODEC_IDS.items()}
+# ids of the Δ wire codecs (`deltawire.py`) are kept apart: both enums are StrEnums ("none" == "none")
+_CODECS: dict[int, Compression | DeltaCompression] = {i: c for c, i in CODEC_IDS.items()}
+_CODECS.update({i: c for c, i in WIRE_CODEC_IDS.items()})
+
+
+def codec_id(codec: Compression | DeltaCompression) -> int:
+    return CODEC_IDS[codec] if isinstance(codec, Compression) else WIRE_CODEC_IDS[codec]
 
 
 class ByteReader(Protocol):
@@ -86,7 +95,7 @@ class ByteWriter(Protocol):
 
 @dataclass(frozen=True)
 class PartHeader:
-    codec: Compression
+    codec: Compression | DeltaCompression
     step: int
     chunk: int
     part: int
@@ -159,7 +168,7 @@ async def write_part(
         _PART.pack(
             b"RP",
             _VERSION,
-            CODEC_IDS[header.codec],
+            codec_id(header.codec),
             header.step,
             header.chunk,
             header.part,

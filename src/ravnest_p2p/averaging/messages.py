@@ -30,6 +30,7 @@ class StreamHello(WireModel):
     attempt: int = Field(ge=0, le=1000)
     members_digest: str = Field(max_length=64)
     chunks_digest: str = Field(default="", max_length=64)  # the attempt's chunk boundaries
+    codec: str = Field(default="", max_length=32)  # a Δ wire codec (`deltawire.py`), "" = `compression`
 
 
 class StatusRequest(WireModel):

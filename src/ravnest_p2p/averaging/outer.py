@@ -26,6 +26,14 @@ and subtracting from θ_outer rounds differently), and the ring's fp32 sum costs
 Do not combine the outer optimizer with the ring's own lossy `compression` (fp16 of P is ~1e-3 of θ,
 far more than a small Δ): compress Δ here instead.
 
+Compressed Δ travels encoded (`deltawire.py`). With a codec the rings average Δ itself, not P: each
+member hands the ring c = Δ + residual (top-k: its kept entries, the rest into the residual), the ring
+re-quantises at every hop (int8/int4) or sums sparse parts exactly (top-k), and returns the same Δ̄
+bits to every member; the step is then θ_outer ← θ_outer - lr·u. What the ring's roundings at this
+member dropped (`RingAllReduce.all_reduce(errors=)`) is its next residual, so the sum over members
+and syncs loses nothing for good. Buffers then get an anchor too and take anchor - Δ̄ (the ring carries
+only Δ, and a running mean quantised as an absolute value would swamp the Δ sharing its block).
+
 Buffers (BatchNorm statistics) are not parameters: they are averaged plainly (P = θ_local, θ ← P̄),
 never stepped with momentum (an overshoot could make a running variance negative).
 
@@ -54,8 +62,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from ravnest_p2p.averaging.base import RoundMetrics
+from ravnest_p2p.averaging.deltawire import WireCodec
 from ravnest_p2p.averaging.overlap import Averager, AveragerConfig, ReadFn, WriteFn
-from ravnest_p2p.averaging.pseudograd import DeltaCompression, compress
+from ravnest_p2p.averaging.pseudograd import DeltaCompression, compress, encoded_bytes
 from ravnest_p2p.averaging.ring import RingAllReduce
 from ravnest_p2p.averaging.session import LinkRates
 from ravnest_p2p.averaging.shards import ShardMap
@@ -80,6 +89,8 @@ class OuterOptimizerConfig(BaseModel):
         chunk_numel: elements per quantisation scale.
         topk_fraction: share of entries ``topk`` keeps.
         error_feedback: keep what compression drops and add it to the next Δ.
+        num_fragments: staggered syncs (Streaming DiLoCo, `stagger.py`): the shards are split into
+            this many fragments, each syncing every H steps, one every H / num_fragments steps.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
@@ -91,6 +102,7 @@ class OuterOptimizerConfig(BaseModel):
     chunk_numel: int = Field(default=1024, ge=8, le=1 << 24)
     topk_fraction: float = Field(default=0.01, gt=0, le=1)
     error_feedback: bool = True
+    num_fragments: int = Field(default=1, ge=1, le=64)
 
 
 class OuterOptimizer:
@@ -110,17 +122,30 @@ class OuterOptimizer:
         self._pending: dict[str, Tensor] = {}  # residuals of the sync in progress
         self.payload_bytes = 0  # encoded size of the last sync's pseudo-gradients
 
+    @property
+    def wire(self) -> WireCodec | None:
+        """The ring's Δ codec when Δ is compressed (the rings then carry encoded Δ, not P)."""
+        c = self.config
+        return None if c.compression is DeltaCompression.NONE else WireCodec(c.compression, c.chunk_numel)
+
     def initialise(self, named: Mapping[str, Tensor]) -> None:
-        """Anchor every name that has none yet at its current value (the start of training)."""
+        """Anchor every name that has none yet at its current value (the start of training).
+
+        With a wire codec, buffers get an anchor too: the ring carries only Δ, so a buffer travels as
+        the difference from its last average (shared by all replicas) and is reset to anchor - mean.
+        """
+        wire = self.wire is not None
         for name, value in named.items():
-            if name not in self.plain and value.is_floating_point() and name not in self.theta:
+            if (wire or name not in self.plain) and value.is_floating_point() and name not in self.theta:
                 self.theta[name] = value.detach().to(torch.float32).clone()
 
     def outgoing(self, snapshot: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """The proposals P = θ_outer - Δ̂ to average, one per name of `snapshot`."""
         c = self.config
         out: dict[str, Tensor] = {}
-        self._pending, self.payload_bytes = {}, 0
+        self.payload_bytes = 0
+        for name in snapshot:  # only these names: another fragment's sync may be running
+            self._pending.pop(name, None)
         for name, local in snapshot.items():
             if name in self.plain or not local.is_floating_point():
                 out[name] = local
@@ -171,9 +196,69 @@ class OuterOptimizer:
                 new.add_(d_bar - c.lr * update)
             self.theta[name] = new
             if name in self._pending:
-                self.residual[name] = self._pending[name]
+                self.residual[name] = self._pending.pop(name)
             out[name] = new.to(mean.dtype)
-        self._pending = {}
+        return out
+
+    # ----- Δ on the wire (`deltawire.py`) ------------------------------------------------------
+    def outgoing_deltas(self, snapshot: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """What the rings average with `wire`: c = Δ + residual per name (top-k: its kept entries).
+
+        int8/int4: the ring itself quantises (and reports its roundings for the next residual, see
+        `step_deltas`); top-k: chosen here, the ring sums the sparse parts exactly.
+        """
+        c = self.config
+        out: dict[str, Tensor] = {}
+        self.payload_bytes = 0
+        for name in snapshot:  # only these names: another fragment's sync may be running
+            self._pending.pop(name, None)
+        for name, local in snapshot.items():
+            if name not in self.theta:
+                logger.warning("outer optimizer: %s had no anchor; anchored at its current value", name)
+                self.theta[name] = local.detach().to(torch.float32).clone()
+            delta = self.theta[name] - local.detach().to(torch.float32)
+            if c.error_feedback and name in self.residual:
+                delta = delta + self.residual[name]
+            if c.compression is DeltaCompression.TOPK:
+                kept, _ = compress(delta, c.compression, topk_fraction=c.topk_fraction)
+                if c.error_feedback:
+                    self._pending[name] = delta - kept
+                delta = kept
+            self.payload_bytes += encoded_bytes(
+                delta.numel(), c.compression, chunk_numel=c.chunk_numel, topk_fraction=c.topk_fraction
+            )
+            out[name] = delta
+        return out
+
+    def step_deltas(
+        self, averaged: Mapping[str, Tensor], lost: Mapping[str, Tensor] | None = None
+    ) -> dict[str, Tensor]:
+        """The outer step from the rings' mean Δ̄; return the new values to continue from.
+
+        `lost`: what this member's ring encodings dropped (int8/int4), the next residual. Buffers take
+        anchor - Δ̄ (a plain average). Names not in `averaged` keep anchor, momentum and residual.
+        """
+        c = self.config
+        out: dict[str, Tensor] = {}
+        for name, mean in averaged.items():
+            d_bar = mean.to(torch.float32)
+            if name in self.plain:
+                new = self.theta[name] - d_bar
+            else:
+                if c.momentum > 0:
+                    buf = self.momentum.get(name)
+                    buf = d_bar.clone() if buf is None else buf.mul_(c.momentum).add_(d_bar)
+                    self.momentum[name] = buf
+                    update = d_bar + c.momentum * buf if c.nesterov else buf
+                else:
+                    update = d_bar
+                new = self.theta[name] - c.lr * update
+            self.theta[name] = new
+            if name in self._pending:
+                self.residual[name] = self._pending.pop(name)
+            elif c.error_feedback and lost is not None and name in lost:
+                self.residual[name] = lost[name].to(torch.float32).clone()
+            out[name] = new.to(mean.dtype)
         return out
 
     # ----- moving with the stage state -----------------------------------------------------------
@@ -182,7 +267,7 @@ class OuterOptimizer:
         out = {}
         for slot, table in zip(_SLOTS, (self.theta, self.momentum, self.residual), strict=True):
             for name, value in table.items():
-                if names is None or name in names:
+                if names is None or name in names:  # buffers' anchors too (a Δ codec gives them one)
                     out[f"{OUTER_PREFIX}{name}/{slot}"] = value.clone()
         return out
 
@@ -236,9 +321,12 @@ class OuterAverager(Averager):
         super().__init__(config, rings, read=read, write=write, shard_map=shard_map, link_rates=link_rates)
         self.outer = outer
         self._closing = False
+        self._lost: dict[str, Tensor] = {}
         self.payload_bytes: list[int] = []  # per round: the encoded pseudo-gradients' size
 
-    async def run_round(self, round_index: int, *, wait_for_all: bool = False) -> RoundMetrics | None:
+    async def run_round(
+        self, round_index: int, *, wait_for_all: bool = False, ring_ids: Collection[str] | None = None
+    ) -> RoundMetrics | None:
         """An outer sync; the closing round (`wait_for_all`) is a plain average of the replicas.
 
         Why plain at the end: after it the replicas must agree, and an outer step depends on each
@@ -246,18 +334,47 @@ class OuterAverager(Averager):
         """
         self._closing = wait_for_all
         try:
-            return await super().run_round(round_index, wait_for_all=wait_for_all)
+            return await super().run_round(round_index, wait_for_all=wait_for_all, ring_ids=ring_ids)
         finally:
             self._closing = False
+
+    async def _all_reduce(
+        self,
+        shard_map: ShardMap,
+        outgoing: Mapping[str, Tensor],
+        round_index: int,
+        rates: LinkRates | None,
+        wait_for_all: bool,
+        ring_ids: Collection[str],
+    ) -> tuple[dict[str, Tensor], RoundMetrics]:
+        wire = None if self._closing else self.outer.wire
+        return await self.rings.all_reduce(
+            shard_map,
+            outgoing,
+            round_index=round_index,
+            link_rates=rates,
+            wait_for_all=wait_for_all,
+            ring_ids=ring_ids,
+            wire=wire,
+            errors=self._lost,
+        )
 
     async def _outgoing(self, snapshot: dict[str, Tensor]) -> Mapping[str, Tensor]:
         if self._closing:
             return snapshot
-        out = await run_in_compute_thread(self.outer.outgoing, snapshot)
-        self.payload_bytes.append(self.outer.payload_bytes)
+        outer = self.outer
+        outgoing = outer.outgoing if outer.wire is None else outer.outgoing_deltas
+        for name in snapshot:  # the names of this sync only: fragments' syncs may overlap
+            self._lost.pop(name, None)
+        # the bytes read on the compute thread with the call: another fragment's cannot come between
+        out, nbytes = await run_in_compute_thread(lambda: (outgoing(snapshot), outer.payload_bytes))
+        self.payload_bytes.append(nbytes)
         return out
 
     async def _incoming(self, averaged: dict[str, Tensor]) -> dict[str, Tensor]:
         if self._closing:
             return averaged
-        return await run_in_compute_thread(self.outer.step, averaged)
+        if self.outer.wire is None:
+            return await run_in_compute_thread(self.outer.step, averaged)
+        lost = {n: self._lost.pop(n) for n in averaged if n in self._lost}
+        return await run_in_compute_thread(self.outer.step_deltas, averaged, lost)

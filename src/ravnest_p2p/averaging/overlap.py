@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -131,11 +131,14 @@ class Averager:
         self._last_round = 0  # round r starts once step r * period_steps is done
         self.history: list[RoundMetrics] = []
 
-    async def run_round(self, round_index: int, *, wait_for_all: bool = False) -> RoundMetrics | None:
+    async def run_round(
+        self, round_index: int, *, wait_for_all: bool = False, ring_ids: Collection[str] | None = None
+    ) -> RoundMetrics | None:
         """Snapshot, average the snapshot with the other replicas, apply θ̄ + (θ_now - θ0).
 
         `wait_for_all`: wait (up to the round deadline) for ring members that have not reached the round
         yet instead of leaving them out (`RingAllReduce.all_reduce`): for the closing round.
+        `ring_ids`: only these of this peer's rings (a staggered sync's fragment); None = all.
 
         Returns:
             The round's metrics, or None if there is no plan or nothing to average.
@@ -143,14 +146,17 @@ class Averager:
         shard_map = self._shard_map()
         if shard_map is None:
             return None
-        names = {n for shard in shard_map.shards_of(self.rings.peer_id) for n in shard.names}
+        mine = [
+            s for s in shard_map.shards_of(self.rings.peer_id) if ring_ids is None or s.ring_id in ring_ids
+        ]
+        names = {n for shard in mine for n in shard.names}
         if not names:
             return None
         snapshot = await run_in_compute_thread(self._snapshot, names)
         outgoing = await self._outgoing(snapshot)
         rates = None if self._link_rates is None else self._link_rates()
-        averaged, metrics = await self.rings.all_reduce(
-            shard_map, outgoing, round_index=round_index, link_rates=rates, wait_for_all=wait_for_all
+        averaged, metrics = await self._all_reduce(
+            shard_map, outgoing, round_index, rates, wait_for_all, {s.ring_id for s in mine}
         )
         averaged_rings = {r.ring_id for r in metrics.rings if len(r.participants) > 1}
         in_average = {n for s in shard_map.shards if s.ring_id in averaged_rings for n in s.names}
@@ -167,6 +173,25 @@ class Averager:
             len(metrics.rings),
         )
         return metrics
+
+    async def _all_reduce(
+        self,
+        shard_map: ShardMap,
+        outgoing: Mapping[str, torch.Tensor],
+        round_index: int,
+        rates: LinkRates | None,
+        wait_for_all: bool,
+        ring_ids: Collection[str],
+    ) -> tuple[dict[str, torch.Tensor], RoundMetrics]:
+        """The rings' average of `outgoing` (`outer.py` sends encoded Δ)."""
+        return await self.rings.all_reduce(
+            shard_map,
+            outgoing,
+            round_index=round_index,
+            link_rates=rates,
+            wait_for_all=wait_for_all,
+            ring_ids=ring_ids,
+        )
 
     async def _outgoing(self, snapshot: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """What the rings average for this snapshot (here: the snapshot; `outer.py` overrides)."""

@@ -47,7 +47,10 @@ import logging
 import time
 from collections.abc import Sequence
 
+import torch
+
 from ravnest_p2p.averaging.base import RingConfig
+from ravnest_p2p.averaging.deltawire import WireCodec
 from ravnest_p2p.averaging.frames import (
     ByteReader,
     ByteWriter,
@@ -66,16 +69,19 @@ from ravnest_p2p.averaging.frames import (
     write_part,
 )
 from ravnest_p2p.averaging.messages import StreamHello
+from ravnest_p2p.averaging.pseudograd import DeltaCompression
 from ravnest_p2p.averaging.session import RingRefused, RingSession
 from ravnest_p2p.averaging.streams import BackgroundWriter
 from ravnest_p2p.errors import InvalidMessage
 from ravnest_p2p.transport import Compression, decode_tensor, encode_tensor
+from ravnest_p2p.utils.aio import run_in_compute_thread
 
 __all__ = ["AttemptFailed", "receive_attempt", "refuse", "send_attempt"]
 
 logger = logging.getLogger(__name__)
 
 _LINGER_S = 1.0
+_INLINE_NUMEL = 1 << 16  # encode larger parts on the compute thread
 _STREAM_ERRORS = (ConnectionError, OSError, EOFError)  # EOFError covers asyncio.IncompleteReadError
 
 
@@ -136,15 +142,19 @@ async def _send_part(
 ) -> None:
     chunk = session.send_chunk(step)
     lo, hi = session.part_bounds(chunk, part)
-    codec = Compression(config.compression)
-    if codec is not Compression.NONE and step == session.size - 1:
-        # the owner of a reduced chunk keeps what the others will decode, so replicas agree bitwise
-        if codec is Compression.FP16:
-            session.acc[lo:hi] = session.acc[lo:hi].half().float()
-        else:
-            session.acc[lo:hi] = decode_tensor(encode_tensor(session.acc[lo:hi], codec))
-    payload = encode_payload(session.acc[lo:hi], codec)
-    header = PartHeader(codec, step, chunk, part, memoryview(payload).nbytes)
+    if session.wire is not None:
+        payload: bytes | memoryview = await _wire_payload(session, step, chunk, part, lo, hi)
+        header = PartHeader(session.wire.kind, step, chunk, part, memoryview(payload).nbytes)
+    else:
+        codec = Compression(config.compression)
+        if codec is not Compression.NONE and step == session.size - 1:
+            # the owner of a reduced chunk keeps what the others will decode, so replicas agree bitwise
+            if codec is Compression.FP16:
+                session.acc[lo:hi] = session.acc[lo:hi].half().float()
+            else:
+                session.acc[lo:hi] = decode_tensor(encode_tensor(session.acc[lo:hi], codec))
+        payload = encode_payload(session.acc[lo:hi], codec)
+        header = PartHeader(codec, step, chunk, part, memoryview(payload).nbytes)
     try:
         async with asyncio.timeout(config.step_timeout_s):
             await write_part(writer, header, payload, pacer)
@@ -153,6 +163,35 @@ async def _send_part(
     except _STREAM_ERRORS as exc:
         raise AttemptFailed(f"sending to {session.right} failed: {type(exc).__name__}: {exc}") from None
     session.bytes_sent += header.payload_bytes
+
+
+async def _wire_payload(session: RingSession, step: int, chunk: int, part: int, lo: int, hi: int) -> bytes:
+    """A part's bytes under the session's Δ codec (`deltawire.py`).
+
+    Reduce steps encode the partial sum; the owner of a reduced chunk (first gather step) encodes it
+    and keeps the decoded copy; later gather steps forward the bytes received, never re-encoded, so
+    every member decodes the owner's bytes. What an encoding drops goes to `session.errors`.
+    """
+    wire = session.wire
+    assert wire is not None
+    if step >= session.size:
+        payload = session.relay.pop((chunk, part), None)
+        if payload is None:  # arrived parts are always stored before their waiters wake
+            raise AttemptFailed(f"part {part} of chunk {chunk} to forward is missing")
+        return payload
+    values = session.acc[lo:hi]
+    payload, decoded = await _roundtrip(wire, values)
+    if wire.lossy:
+        session.errors[lo:hi] += values - decoded
+    if step == session.size - 1:
+        session.acc[lo:hi] = decoded
+    return payload
+
+
+async def _roundtrip(wire: WireCodec, values: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+    if values.numel() <= _INLINE_NUMEL:
+        return wire.roundtrip(values)
+    return await run_in_compute_thread(wire.roundtrip, values)
 
 
 async def _yield_to_foreground(writer: ByteWriter, acks: _Acks, sent: int, config: RingConfig) -> None:
@@ -200,6 +239,7 @@ async def send_attempt(
         attempt=session.attempt,
         members_digest=session.digest,
         chunks_digest=session.chunks_digest,
+        codec="" if session.wire is None else session.wire.label,
     )
     rate = session.link_rate()
     pacer = None if config.pace_fraction is None or rate is None else Pacer(rate * config.pace_fraction)
@@ -270,7 +310,8 @@ async def receive_attempt(
         RingRefused: a part does not belong to this attempt (nothing was changed; the caller replies).
         TimeoutError, ConnectionError, EOFError: the stream went silent or broke.
     """
-    codec = Compression(config.compression)
+    wire = session.wire
+    codec: Compression | DeltaCompression = Compression(config.compression) if wire is None else wire.kind
     scratch = bytearray()
     accepted = 0
     while True:
@@ -281,6 +322,12 @@ async def receive_attempt(
         if header.codec is not codec:
             raise RingRefused("wrong_codec", f"{session.ring_id}: {header.codec}, expected {codec}")
         lo, hi = session.expect(attempt, header.step, header.chunk, header.part)
+        if wire is not None:
+            await _receive_wire_part(session, wire, header, hi - lo, reader, scratch, config)
+            accepted += 1
+            write_ack(writer, accepted)
+            continue
+        assert isinstance(codec, Compression)
         limit = max_payload_bytes(hi - lo, codec)
         exact = codec in (Compression.NONE, Compression.FP16)
         if header.payload_bytes > limit or (exact and header.payload_bytes != limit):
@@ -301,6 +348,41 @@ async def receive_attempt(
         session.bytes_received += header.payload_bytes
         accepted += 1
         write_ack(writer, accepted)
+
+
+async def _receive_wire_part(
+    session: RingSession,
+    wire: WireCodec,
+    header: PartHeader,
+    numel: int,
+    reader: ByteReader,
+    scratch: bytearray,
+    config: RingConfig,
+) -> None:
+    """Read, check and take one Δ part; keep its bytes if this member forwards them (gather)."""
+    limit = wire.max_bytes(numel)
+    exact = wire.lossy
+    if header.payload_bytes > limit or (exact and header.payload_bytes != limit):
+        raise RingRefused(
+            "wrong_shape", f"{session.ring_id}: {header.payload_bytes} bytes for {numel} values"
+        )
+    if len(scratch) < header.payload_bytes:
+        scratch.extend(bytes(header.payload_bytes - len(scratch)))
+    async with asyncio.timeout(config.step_timeout_s):
+        payload = await read_payload_into(reader, scratch, header.payload_bytes)
+    try:
+        tensor = wire.decode(payload, numel)
+    except InvalidMessage as exc:
+        raise RingRefused("wrong_shape", f"{session.ring_id}: {exc}") from None
+    forward = session.size - 1 <= header.step < session.num_steps - 1
+    if forward:  # stored before `accept` wakes the sender's wait for this part
+        session.relay[(header.chunk, header.part)] = bytes(payload)
+    try:
+        session.accept(header.step, header.part, tensor)
+    except RingRefused:
+        session.relay.pop((header.chunk, header.part), None)
+        raise
+    session.bytes_received += header.payload_bytes
 
 
 async def refuse(reader: ByteReader, writer: ByteWriter, exc: InvalidMessage) -> None:

@@ -14,10 +14,10 @@ Codecs (each works on one tensor, flattened):
 - ``topk``: the ceil(fraction x n) entries of largest magnitude, as fp32 value + int32 index (8 bytes
   each); the rest are zero (and stay in the residual).
 
-What travels. `compress` returns the *decoded* values and the size of the encoded form. The ring
-(`ring.py`) averages what it is given in fp32, so today the decoded Δ̂ crosses the wire as 4 bytes per
-element: the encoded size is what a compressed transport *would* send, reported as such
-(`payload_bytes`), not bytes saved on the wire.
+What travels. `compress` returns the *decoded* values and the size of the encoded form: the in-process
+form, used by `OuterOptimizer.outgoing` (the simulator's path). On the rings (`OuterAverager`) the
+encoded Δ itself crosses the wire (`deltawire.py`): int8/int4 are quantised by the ring, part by part
+and hop by hop; top-k is chosen here (`OuterOptimizer.outgoing_deltas`) and summed exactly.
 
 Determinism. Every operation is elementwise or a sort on one CPU thread: the same input gives the same
 bits, but replicas need not agree here anyway (each compresses its own Δ; the ring's average is shared).

@@ -72,11 +72,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 
 from ravnest_p2p.averaging.base import RingConfig, RingMetrics, RoundMetrics, flatten_shard, split_shard
+from ravnest_p2p.averaging.deltawire import WireCodec
 from ravnest_p2p.averaging.early import AllowEarly, EarlySlots
 from ravnest_p2p.averaging.frames import ByteReader, ByteWriter, read_hello
 from ravnest_p2p.averaging.messages import RING_STATUS, StatusReply, StatusRequest, StreamHello
@@ -172,6 +173,9 @@ class RingAllReduce:
         round_index: int,
         link_rates: LinkRates | None = None,
         wait_for_all: bool = False,
+        wire: WireCodec | None = None,
+        errors: dict[str, torch.Tensor] | None = None,
+        ring_ids: Collection[str] | None = None,
     ) -> tuple[dict[str, torch.Tensor], RoundMetrics]:
         """Average every shard this peer owns with the other owners; all rings run concurrently.
 
@@ -186,6 +190,11 @@ class RingAllReduce:
             wait_for_all: a member that answers that it has not reached this round yet (but will: it
                 is in this epoch's ring) is waited for, up to the round deadline, instead of being left
                 out of the next attempt. For a closing round, after which the replicas must agree.
+            wire: the parts carry encoded Δ (`deltawire.py`) instead of `config.compression`; every
+                member of a ring must pass the same codec (streams say which; others are refused).
+            errors: with a lossy `wire`, filled with what this member's encodings dropped, by name, in
+                sum units (x ring size of the mean), for the rings that averaged: error feedback.
+            ring_ids: average only these of my rings (a staggered sync's fragment); None = all.
 
         Returns:
             The averaged tensors (same names, shapes and dtypes) and this round's metrics. A ring that
@@ -197,21 +206,23 @@ class RingAllReduce:
         started = time.monotonic()
         self.expect(shard_map)
         rates = link_rates if self.config.weighted_chunks else None
-        shards = shard_map.shards_of(self.peer_id)
+        shards = [s for s in shard_map.shards_of(self.peer_id) if ring_ids is None or s.ring_id in ring_ids]
         for shard in shards:
             for name, numel in zip(shard.names, shard.numels, strict=True):
                 if name not in tensors or tensors[name].numel() != numel:
                     raise ValueError(f"{name!r}: missing or not {numel} elements")
         results = await asyncio.gather(
             *(
-                self._run_ring(shard_map.epoch, shard, tensors, round_index, rates, wait_for_all)
+                self._run_ring(shard_map.epoch, shard, tensors, round_index, rates, wait_for_all, wire)
                 for shard in shards
             )
         )
         averaged: dict[str, torch.Tensor] = {}
-        for named, _ in results:
+        for named, _, lost in results:
             averaged.update(named)
-        rings = [m for _, m in results]
+            if errors is not None and lost is not None:
+                errors.update(lost)
+        rings = [m for _, m, _ in results]
         metrics = RoundMetrics(
             round=round_index,
             time_s=time.monotonic() - started,
@@ -229,7 +240,8 @@ class RingAllReduce:
         round_index: int,
         link_rates: LinkRates | None,
         wait_for_all: bool = False,
-    ) -> tuple[dict[str, torch.Tensor], RingMetrics]:
+        wire: WireCodec | None = None,
+    ) -> tuple[dict[str, torch.Tensor], RingMetrics, dict[str, torch.Tensor] | None]:
         started = time.monotonic()
         parts = [tensors[n] for n in shard.names]
         session = RingSession(
@@ -240,6 +252,7 @@ class RingAllReduce:
             numel=shard.numel,
             part_numel=max(1, self.config.part_size_bytes // 4),
             link_rates=link_rates,
+            wire=wire,
         )
         deadline = time.monotonic() + self.config.round_timeout_s
         members: tuple[str, ...] | None = shard.ring
@@ -281,8 +294,11 @@ class RingAllReduce:
             session.finish(done=True)
             self._notify()
             await _discard(early)
+        lost = None
         if result is None:  # no attempt completed: this round keeps the local values
             result = await flatten_shard(parts, shard.numel)
+        elif session.errors.numel():
+            lost = await split_shard(session.errors, shard, tensors)
         named = await split_shard(result, shard, tensors)
         metrics = RingMetrics(
             ring_id=shard.ring_id,
@@ -293,7 +309,7 @@ class RingAllReduce:
             bytes_sent=session.bytes_sent,
             bytes_received=session.bytes_received,
         )
-        return named, metrics
+        return named, metrics, lost
 
     async def _open(self, peer_id: str) -> list[tuple[ByteReader, ByteWriter]]:
         """New part streams to `peer_id` (all of them, or none).

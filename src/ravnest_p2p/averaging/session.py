@@ -33,6 +33,7 @@ from enum import StrEnum
 
 import torch
 
+from ravnest_p2p.averaging.deltawire import WireCodec
 from ravnest_p2p.averaging.messages import StreamHello
 from ravnest_p2p.averaging.weights import chunk_bounds, equal_bounds
 from ravnest_p2p.errors import InvalidMessage, StaleEpoch
@@ -99,6 +100,8 @@ class RingSession:
         part_numel: elements per part.
         link_rates: every member's (upload, download) rate, for chunks sized by rate; None (or a
             member missing) = equal chunks. Must be the same at every member.
+        wire: parts carry encoded Δ (`deltawire.py`) instead of `RingConfig.compression`; with a lossy
+            one, `errors` collects what this member's encodings dropped (in sum units).
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class RingSession:
         numel: int,
         part_numel: int,
         link_rates: LinkRates | None = None,
+        wire: WireCodec | None = None,
     ) -> None:
         assert part_numel > 0
         self.ring_id = ring_id
@@ -120,6 +124,9 @@ class RingSession:
         self.numel = numel
         self.part_numel = part_numel
         self.link_rates = link_rates
+        self.wire = wire
+        self.errors = torch.empty(0)  # lossy wire: this attempt's rounding losses, per element
+        self.relay: dict[tuple[int, int], bytes] = {}  # wire: gathered parts' bytes, forwarded verbatim
         self.attempt = -1
         self.members: tuple[str, ...] = ()
         self.digest = ""
@@ -149,6 +156,8 @@ class RingSession:
         weighted = self._bounds != equal_bounds(self.numel, self.size)
         self.chunks_digest = bounds_digest(self._bounds) if weighted else ""  # "": equal chunks
         self.acc = values
+        self.errors = torch.zeros(self.numel) if self.wire is not None and self.wire.lossy else torch.empty(0)
+        self.relay = {}
         loop = asyncio.get_running_loop()
         self._received = {
             (t, p): loop.create_future()
@@ -184,6 +193,7 @@ class RingSession:
         self.stop_attempt()
         self.done = done
         self.acc = torch.empty(0)  # late messages are refused; free the memory
+        self.relay = {}
 
     # ----- chunk arithmetic ----------------------------------------------------------------------
     @property
@@ -254,6 +264,8 @@ class RingSession:
             raise RingRefused("not_running", f"{self.ring_id}: attempt {hello.attempt} is not running")
         if hello.members_digest != self.digest:
             raise RingRefused("membership_mismatch", f"{self.ring_id}: ring members differ")
+        if hello.codec != ("" if self.wire is None else self.wire.label):
+            raise RingRefused("wrong_codec", f"{self.ring_id}: codec {hello.codec!r} differs")
         if hello.chunks_digest != self.chunks_digest:
             raise RingRefused("chunks_mismatch", f"{self.ring_id}: chunk boundaries differ (link rates?)")
         if sender != self.left:

@@ -11,12 +11,18 @@ round trip, as measured by the owner's probes): the planner's pairwise matrix is
 every peer plans with the same figures. They are validated like the rest (ranges, well-formed and
 distinct peer ids, never the owner itself); a record with a bad link is refused whole. The field is
 optional and older readers ignore it, so it needs no new schema version. Worst case (16 maximal
-addresses and `MAX_LINKS` maximal links) the record stays below the ``peers`` key's 16 KiB cap (a unit
-test pins it).
+addresses, `MAX_LINKS` maximal links, `MAX_PLUGINS` maximal plugin names of each kind and a full
+``unfit_reason``) the record stays below the ``peers`` key's 16 KiB cap (a unit test pins it).
+
+Plugins. A peer lists the names of the *plugin* models and data sets it can serve (built-ins go without
+saying), so a planner leaves out a peer that lacks a job's plugin before that peer even read the job
+(`Serving.met_by`); a peer that read the job and cannot serve it says which job and why (``unfit_job``,
+``unfit_reason``), for planners and for `status`. Both are optional fields, like the links.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Annotated, Any
 
@@ -29,10 +35,12 @@ __all__ = [
     "MAX_BANDWIDTH_MBPS",
     "MAX_FLOPS",
     "MAX_LINKS",
+    "MAX_PLUGINS",
     "SCHEMA_VERSION",
     "LinkRecord",
     "PeerIdStr",
     "PeerRecord",
+    "Serving",
     "owner_public_key",
     "parse_peer_record",
 ]
@@ -45,6 +53,7 @@ MAX_MEMORY_BYTES = 4 * 2**40
 MAX_BANDWIDTH_MBPS = 400_000.0
 MAX_RTT_MS = 60_000.0
 MAX_LINKS = 32
+MAX_PLUGINS = 8  # of each kind: the record stays under its key's cap (see the module docstring)
 
 _PUBLIC_KEY_RE = re.compile(rb"\[owner:(.+?)\]")
 
@@ -53,6 +62,8 @@ PeerIdStr = Annotated[
 ]
 Maddr = Annotated[str, StringConstraints(min_length=4, max_length=512)]
 ShortStr = Annotated[str, StringConstraints(max_length=64)]
+PluginName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z][A-Za-z0-9_.-]{0,47}$")]
+JobIdStr = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 
 
 class LinkRecord(WireModel):
@@ -85,6 +96,10 @@ class PeerRecord(WireModel):
     run_owner: PeerIdStr | None = Field(default=None, description="the run owner this peer obeys; None: open")
     updated_at: float = Field(ge=0, description="DHT time of publication")
     links: tuple[LinkRecord, ...] = Field(default=(), max_length=MAX_LINKS)
+    plugin_models: tuple[PluginName, ...] = Field(default=(), max_length=MAX_PLUGINS)
+    plugin_datasets: tuple[PluginName, ...] = Field(default=(), max_length=MAX_PLUGINS)
+    unfit_job: JobIdStr | None = Field(default=None, description="a job this peer cannot serve")
+    unfit_reason: str | None = Field(default=None, max_length=200)
 
     @model_validator(mode="after")
     def _links_name_others_once(self) -> PeerRecord:
@@ -94,6 +109,27 @@ class PeerRecord(WireModel):
         if self.peer_id in named:
             raise ValueError("a record cannot report a link to its own peer")
         return self
+
+
+@dataclasses.dataclass(frozen=True)
+class Serving:
+    """What a job needs of a peer beyond the software: the plugin models/data sets it names.
+
+    A planner keeps a record only if it lists every needed plugin and does not say it is unfit for the
+    job. Every peer derives the same `Serving` from the same job and judges the same signed records, so
+    planners agree on who is left out.
+    """
+
+    job_id: str
+    plugin_models: frozenset[str] = frozenset()
+    plugin_datasets: frozenset[str] = frozenset()
+
+    def met_by(self, record: PeerRecord) -> bool:
+        if record.unfit_job == self.job_id:
+            return False
+        return self.plugin_models <= set(record.plugin_models) and self.plugin_datasets <= set(
+            record.plugin_datasets
+        )
 
 
 def owner_public_key(subkey: Any) -> bytes | None:

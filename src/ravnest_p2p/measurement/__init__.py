@@ -1,6 +1,6 @@
 """Self-measurement: compute (matmul FLOP/s), free memory, and network (RTT, bandwidth) probes."""
 
-from ravnest_p2p.measurement.compute import measure_matmul_flops
+from ravnest_p2p.measurement.compute import measure_matmul_flops, remeasure_matmul_flops
 from ravnest_p2p.measurement.links import LinkPublisher, PublishedLink
 from ravnest_p2p.measurement.memory import (
     framework_overhead_bytes,
@@ -21,4 +21,5 @@ __all__ = [
     "measure_matmul_flops",
     "peak_rss_bytes",
     "release_free_memory",
+    "remeasure_matmul_flops",
 ]

@@ -15,6 +15,11 @@ reading replaces it; a reading is cached only if it is plausible (`MIN_PLAUSIBLE
 process got most of the CPUs it was allowed while it ran (CPU time over wall time: a CPU quota is a real
 limit, another process eating our cores is not); otherwise the probe is repeated and the median is
 advertised, uncached. Known limit: a host that stays busy throughout yields a low, uncached figure.
+
+One reading is noisy (turbo, a neighbour's burst that the CPU-share check misses), so the cache keeps
+the last `_KEEP_READINGS` clean readings and the advertised figure is their median. A running peer adds
+readings in the background (`remeasure_matmul_flops`, driven by `compute_refresh.ComputeRefresher` while
+the peer is not training), so the figure follows the host and never expires from under a long-lived peer.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ __all__ = [
     "cpu_quota",
     "measure_matmul_flops",
     "quota_cpus",
+    "remeasure_matmul_flops",
     "take_reading",
 ]
 
@@ -51,7 +57,8 @@ CACHE_MAX_AGE_S = 6 * 3600.0  # a cached figure is re-measured after this: hosts
 # says the process was starved, e.g. a peer that measured 0.047 GFLOP/s on a loaded host and cached it
 MIN_PLAUSIBLE_FLOPS = 0.5e9
 _MIN_CPU_SHARE = 0.6  # a probe that got under this fraction of its allowed CPUs ran on a busy host
-_MAX_READINGS = 3
+_MAX_READINGS = 3  # readings one measurement takes at most while they are not clean
+_KEEP_READINGS = 5  # clean readings the cache keeps per key; the figure is their median
 
 
 def _cache_path() -> Path:
@@ -204,29 +211,48 @@ def take_reading(device: str = "cpu", dtype: str = "float32", *, budget_s: float
     )
 
 
-def _read_cache(path: Path, key: str, *, max_age_s: float, now: float) -> float | None:
-    """The cached figure for `key`, if it is fresh and plausible (older formats count as expired)."""
-    try:
-        entry = json.loads(path.read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not isinstance(entry, dict):
-        return None  # a bare number: the format before readings had an age
-    flops, measured_at = entry.get("flops"), entry.get("measured_at")
-    if not isinstance(flops, int | float) or not isinstance(measured_at, int | float):
-        return None
-    if flops < MIN_PLAUSIBLE_FLOPS or not 0 <= now - measured_at <= max_age_s:
-        return None
-    return float(flops)
-
-
-def _write_cache(path: Path, key: str, flops: float, *, now: float) -> None:
+def _load_cache(path: Path) -> dict[str, Any]:
     try:
         loaded = json.loads(path.read_text())
-        cache: dict[str, Any] = loaded if isinstance(loaded, dict) else {}
     except (OSError, ValueError):
-        cache = {}
-    cache[key] = {"flops": flops, "measured_at": now}
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _entry_readings(entry: object) -> list[tuple[float, float]]:
+    """(flops, measured_at) pairs of one cache entry; the one-reading format before lists is read too."""
+    if not isinstance(entry, dict):
+        return []  # a bare number: the format before readings had an age
+    pairs = entry.get("readings")
+    if pairs is None:
+        pairs = [[entry.get("flops"), entry.get("measured_at")]]
+    out = []
+    for pair in pairs if isinstance(pairs, list) else []:
+        if isinstance(pair, list) and len(pair) == 2 and all(isinstance(v, int | float) for v in pair):
+            out.append((float(pair[0]), float(pair[1])))
+    return out
+
+
+def _read_cache(path: Path, key: str, *, max_age_s: float, now: float) -> list[float]:
+    """The fresh, plausible cached readings for `key` (expired, future or absurd ones are dropped)."""
+    return [
+        flops
+        for flops, measured_at in _entry_readings(_load_cache(path).get(key))
+        if flops >= MIN_PLAUSIBLE_FLOPS and 0 <= now - measured_at <= max_age_s
+    ]
+
+
+def _write_cache(
+    path: Path, key: str, flops: float, *, now: float, max_age_s: float = CACHE_MAX_AGE_S
+) -> None:
+    """Add a clean reading to `key`'s list, keeping the newest `_KEEP_READINGS` fresh ones."""
+    cache = _load_cache(path)
+    kept = [
+        [f, t]
+        for f, t in _entry_readings(cache.get(key))
+        if f >= MIN_PLAUSIBLE_FLOPS and 0 <= now - t <= max_age_s
+    ]
+    cache[key] = {"readings": [*kept, [flops, now]][-_KEEP_READINGS:]}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -247,10 +273,10 @@ def measure_matmul_flops(
 ) -> float:
     """Measured FLOP/s of a matmul in `dtype` on `device`, cached per host/device/dtype/threads/quota.
 
-    A cached figure is used while younger than `max_age_s`; then (or without one) the probe runs and
-    its figure replaces the cached one. A reading taken while the host was busy (`contended`) or below
-    `MIN_PLAUSIBLE_FLOPS` is never cached; the probe is repeated up to `_MAX_READINGS` times and the
-    median of the readings is returned (a clean one ends the repetition at once).
+    The figure is the median of the cached clean readings younger than `max_age_s`; without any, the
+    probe runs and a clean reading joins the cache. A reading taken while the host was busy
+    (`contended`) or below `MIN_PLAUSIBLE_FLOPS` is never cached; the probe is repeated up to
+    `_MAX_READINGS` times and the median of those readings is returned (a clean one ends the repetition).
 
     Args:
         reader: takes one reading (tests); default `take_reading` with `budget_s`.
@@ -261,8 +287,8 @@ def measure_matmul_flops(
     path = _cache_path()
     if use_cache:
         cached = _read_cache(path, key, max_age_s=max_age_s, now=time.time())
-        if cached is not None:
-            return cached
+        if cached:
+            return statistics.median(cached)
     read = reader or (lambda: take_reading(device, dtype, budget_s=budget_s))
     readings = [read()]
     while not readings[-1].cacheable and len(readings) < _MAX_READINGS:
@@ -277,7 +303,7 @@ def measure_matmul_flops(
     if readings[-1].cacheable:
         flops = readings[-1].flops
         if use_cache:
-            _write_cache(path, key, flops, now=time.time())
+            _write_cache(path, key, flops, now=time.time(), max_age_s=max_age_s)
     else:
         flops = statistics.median(r.flops for r in readings)
         logger.warning(
@@ -287,3 +313,33 @@ def measure_matmul_flops(
             len(readings),
         )
     return flops
+
+
+def remeasure_matmul_flops(
+    device: str = "cpu",
+    dtype: str = "float32",
+    *,
+    budget_s: float = 0.9,
+    max_age_s: float = CACHE_MAX_AGE_S,
+    reader: Callable[[], ComputeReading] | None = None,
+) -> float | None:
+    """One more reading for a running peer: if clean, cache it and return the new median; else None.
+
+    A busy or implausible reading teaches nothing about the device and is dropped (the caller keeps
+    advertising what it has), so a background re-measurement can only refine the figure, never poison it.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}")
+    reading = (reader or (lambda: take_reading(device, dtype, budget_s=budget_s)))()
+    if not reading.cacheable:
+        logger.info(
+            "background compute reading %.2f GFLOP/s with %.2f of %s CPUs dropped (%s)",
+            reading.flops / 1e9,
+            reading.cpu_share,
+            reading.allowed_cpus,
+            "host busy" if reading.contended else "implausibly low",
+        )
+        return None
+    key, path, now = _cache_key(device, dtype), _cache_path(), time.time()
+    _write_cache(path, key, reading.flops, now=now, max_age_s=max_age_s)
+    return statistics.median(_read_cache(path, key, max_age_s=max_age_s, now=now) or [reading.flops])

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ravnest_p2p.discovery import PeerRecord, RunDHT, dht_time
+from ravnest_p2p.discovery.records import Serving
 from ravnest_p2p.membership.board import PlanBoard
 from ravnest_p2p.membership.config import DEFAULT_LAYERS, MembershipConfig
 from ravnest_p2p.membership.epochs import Action, EpochTracker, Phase, backed_epoch
@@ -182,6 +183,8 @@ class MembershipService:
         self.active_workload: str | None = None
         self._proposal: Plan | None = None
         self._proposal_workload = "default"
+        # what the workload needs of a peer (its plugins): peers whose records lack it are not planned
+        self._serving: Serving | None = None
         # dead, silent or misbehaving peers left out of the view (`exclusions.py`)
         self.exclusions = Exclusions(config.exclude_for_s, clock=clock, wall_clock=wall_clock)
         self._refresh_wanted = False
@@ -208,17 +211,21 @@ class MembershipService:
         epoch = self.active_plan.epoch if self.active_plan is not None else 0
         return epoch, cluster, stage
 
-    def set_workload(self, key: str, job: JobParams, layers: Sequence[LayerProfile]) -> None:
+    def set_workload(
+        self, key: str, job: JobParams, layers: Sequence[LayerProfile], *, serving: Serving | None = None
+    ) -> None:
         """Plan for another workload (a job's micro-batch size and layer profile) from a new epoch on.
 
         Peers learn the job on their own schedule, so a peer may move to the new epoch twice (once when
         it hears a peer that already moved, once when it reads the job itself); the highest epoch wins
-        and plans made before every member knows the job never gather all digests.
+        and plans made before every member knows the job never gather all digests. `serving` leaves out
+        the peers whose records do not serve the job (a plugin they lack, or they said they cannot).
         """
         if key == self.workload:
             return
         self.config = self.config.model_copy(update={"job": job, "layers": tuple(layers)})
         self.workload = key
+        self._serving = serving
         self.tracker.open_epoch(self.tracker.epoch + 1)
         logger.info("planning for workload %s from epoch %d", key, self.tracker.epoch)
 
@@ -303,6 +310,8 @@ class MembershipService:
 
     def _eligible(self, record: PeerRecord) -> bool:
         if record.state not in (PeerState.READY, PeerState.TRAINING) or record.client_mode:
+            return False
+        if self._serving is not None and not self._serving.met_by(record):
             return False
         return self.exclusions.admits(record)
 

@@ -30,6 +30,7 @@ from ravnest_p2p.models.transformer import CausalLMConfig, build_causal_lm, buil
 from ravnest_p2p.models.wide_mlp import WideMLPConfig, build_wide_mlp
 
 __all__ = [
+    "BUILTIN_MODELS",
     "ModelSpec",
     "available_models",
     "build_layers",
@@ -140,11 +141,20 @@ _REGISTRY: dict[str, ModelSpec] = {
         ),
     )
 }
+# every peer of this version has these; any other model name comes from a plugin (`models.plugins`)
+BUILTIN_MODELS: frozenset[str] = frozenset(_REGISTRY)
+
+
+def _specs() -> Mapping[str, ModelSpec]:
+    """Built-ins plus the installed packages' ``ravnest_p2p.models`` entry points (`models.plugins`)."""
+    from ravnest_p2p.models.plugins import plugin_models  # lazy: plugins imports ModelSpec from here
+
+    return {**plugin_models(builtins=_REGISTRY.keys()), **_REGISTRY}
 
 
 def available_models() -> list[str]:
-    """Keys of every registered model, sorted."""
-    return sorted(_REGISTRY)
+    """Keys of every registered model (built-in or from an installed plugin), sorted."""
+    return sorted(_specs())
 
 
 def get_model_spec(key: str) -> ModelSpec:
@@ -154,7 +164,7 @@ def get_model_spec(key: str) -> ModelSpec:
         ValueError: if the key is unknown.
     """
     try:
-        return _REGISTRY[key]
+        return _specs()[key]
     except KeyError:
         raise ValueError(f"unknown model {key!r}; available: {available_models()}") from None
 

@@ -16,8 +16,9 @@ Rejected here: a generic "strategy" plugin interface before either mode runs ove
 implementations are too few to know its shape).
 
 What is here is network-free. Backup workers run over real peers through `training.sync_runner`
-(`mode: sync_backup` in the JobSpec), with the pure layout in `sync_layout`; IST's all-to-all
-deal/write-back over the transport is not wired yet. See docs/training-modes.md.
+(`mode: sync_backup` in the JobSpec), with the pure layout in `sync_layout`; IST through
+`training.ist_runner` (`mode: ist`), with the pure block/holder bookkeeping in `ist_blocks`. See
+docs/training-modes.md.
 """
 
 from ravnest_p2p.strategies.backup_workers import (

@@ -33,8 +33,8 @@ heterogeneous data IST carries an irreducible bias (Shulgin & Richtárik, arXiv 
 `ist_theory`). Running BatchNorm statistics are dealt and written back with their units; under the
 TRAIN rule they served the full model better than re-estimated ones in our digits run, under TEST/NONE
 they describe unscaled partial sums and `ist_local.recalibrate_batchnorm` should re-estimate them.
-Not wired yet: the transport's all-to-all deal/write-back, the planner's layout per mode, a JobSpec
-``mode``.
+Over the network, `ist_blocks` expresses the same deal as flat indices and holder maps, and
+`training.ist_runner` runs it (``mode: ist``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """IST in one process: n simulated workers, for experiments and as the reference a networked IST must match.
 
-Why. The networked version (deal over the transport, all-to-all write-back) is not wired yet; this file
-runs the same round - deal, K local SGD steps per worker on its own batches, write-back - with the
-workers as plain objects, so the algorithm's accuracy can be measured without a network and a later
-networked implementation has a bit-exact reference to test against.
+Why. It runs the same round as the networked IST (`training.ist_runner`) - deal, K local SGD steps per
+worker on its own batches, write-back - with the workers as plain objects, so the algorithm's accuracy
+can be measured without a network, and it is the bit-exact reference the networked IST is tested
+against (tests/unit/training/test_ist_network.py).
 
 Also here: the two test-time helpers IST needs. `eval_layers` applies ResIST's 1/S rule when the
 sub-networks were trained unscaled (`ScaleRule.TEST`). `recalibrate_batchnorm` re-estimates BatchNorm

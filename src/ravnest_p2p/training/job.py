@@ -9,9 +9,9 @@ and benchmarks that must pin the layout.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from ravnest_p2p.averaging.outer import OuterOptimizerConfig
 from ravnest_p2p.runtime.optim import OptimizerConfig
@@ -20,7 +20,10 @@ from ravnest_p2p.transport.codec import Compression
 
 __all__ = ["DatasetName", "InitCheckpoint", "JobSpec", "StagePlacement"]
 
-DatasetName = Literal["digits", "char_corpus", "synthetic_classification", "synthetic_regression"]
+# A built-in data set (`training.datasets.BUILTIN_DATASETS`) or a plugin's. Only the form is checked here:
+# a peer that lacks a plugin must still parse the job to say so; `training.datasets.check_job` checks the
+# name against what is installed where the job is built, `missing_parts` where a peer decides to serve it.
+DatasetName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z][A-Za-z0-9_.-]{0,47}$")]
 
 
 class _Config(BaseModel):
@@ -65,7 +68,8 @@ class JobSpec(_Config):
     Attributes:
         job_id: names the job in metrics and checkpoints.
         model / model_params: registry key and its config (see `ravnest_p2p.models`).
-        dataset / dataset_config: built-in data set and its options (e.g. ``block_size`` for text).
+        dataset / dataset_config: data set name (built-in, local source or plugin) and its config (see
+            `training.datasets`, docs/your-model-and-data.md).
         batch_size: samples per micro-batch.
         num_epochs: passes over each cluster's shard of the data.
         max_steps: cap on micro-batches per cluster (None: the epochs decide).
@@ -91,8 +95,8 @@ class JobSpec(_Config):
             researcher's client, for `RunClient.checkpoint`).
         init_checkpoint: start from this checkpoint instead of the initial weights (docs/checkpoints.md).
         mode: ``pipeline`` (default), ``sync_backup`` or ``ist``; each mode reads its own section
-            (`training.modes`, docs/training-modes.md). With ``sync_backup`` an explicit assignment is one
-            single-stage cluster per worker (N + b of them).
+            (`training.modes`, docs/training-modes.md). With ``sync_backup`` or ``ist`` an explicit
+            assignment is one single-stage cluster per worker (N + b, or ``ist.num_workers``, of them).
     """
 
     schema_version: int = 1
@@ -135,6 +139,13 @@ class JobSpec(_Config):
     def _outer_needs_a_period(self) -> JobSpec:
         if self.outer_optimizer is not None and not (self.averaging_period_steps or self.averaging_period_s):
             raise ValueError("outer_optimizer needs averaging_period_steps (H) or averaging_period_s")
+        fragments = 1 if self.outer_optimizer is None else self.outer_optimizer.num_fragments
+        if fragments > 1 and not self.averaging_period_steps:
+            raise ValueError(
+                "outer_optimizer.num_fragments > 1 staggers syncs by step: set averaging_period_steps"
+            )
+        if fragments > (self.averaging_period_steps or fragments):
+            raise ValueError("outer_optimizer.num_fragments must not exceed averaging_period_steps (H)")
         return self
 
     @model_validator(mode="after")
@@ -153,18 +164,23 @@ class JobSpec(_Config):
         return self
 
     def _check_mode(self) -> None:
-        if self.mode != TrainingMode.SYNC_BACKUP or self.assignment is None:
+        if self.mode == TrainingMode.PIPELINE or self.assignment is None:
             return
+        mode = self.mode.value
         workers = [stage.peer_id for cluster in self.assignment for stage in cluster]
         if any(len(cluster) != 1 for cluster in self.assignment):
-            raise ValueError("sync_backup: every worker is a one-stage cluster holding the whole model")
+            raise ValueError(f"{mode}: every worker is a one-stage cluster holding the whole model")
         if len(set(workers)) != len(workers):
-            raise ValueError("sync_backup: a worker appears twice")
-        if len(workers) != self.sync_backup.num_workers:
+            raise ValueError(f"{mode}: a worker appears twice")
+        expected = (
+            self.sync_backup.num_workers if self.mode == TrainingMode.SYNC_BACKUP else self.ist.num_workers
+        )
+        if len(workers) != expected:
             raise ValueError(
-                f"sync_backup: {len(workers)} workers assigned, num_required + num_backup is "
-                f"{self.sync_backup.num_workers}"
+                f"{mode}: {len(workers)} workers assigned, the mode's section asks for {expected}"
             )
+        if self.sync_backup.owners is not None and not set(self.sync_backup.owners) <= set(workers):
+            raise ValueError("sync_backup: every peer of `owners` must be an assigned worker")
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -2,8 +2,9 @@
 
 The supervisor owns a job's life whatever its mode; only the runner differs. ``pipeline`` runs a stage
 (`training.runner.StageRunner`), ``sync_backup`` a worker that also owns parameter shards
-(`training.sync_runner.SyncBackupRunner`). ``ist`` has no network runner yet: its runner fails at once
-with a reason the researcher sees in the metrics, rather than training something else.
+(`training.sync_runner.SyncBackupRunner`), ``ist`` a worker that trains a sub-network per round and holds
+the entries it trained (`training.ist_runner.IstRunner`). `UnsupportedModeRunner` stays for a mode a
+peer cannot run: it fails at once with a reason the researcher sees in the metrics.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 
 from ravnest_p2p.discovery import RunDHT
 from ravnest_p2p.errors import RavnestError
+from ravnest_p2p.training.ist_runner import IstRunner
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import StageMetrics
 from ravnest_p2p.training.modes import TrainingMode
@@ -55,5 +57,5 @@ def start_mode_runner(
     if job.mode == TrainingMode.SYNC_BACKUP:
         return SyncBackupRunner(rpc, dht, job, role, on_metrics=on_metrics)
     if job.mode == TrainingMode.IST:
-        return UnsupportedModeRunner(job, "mode 'ist' runs in process only so far (docs/training-modes.md)")
+        return IstRunner(rpc, dht, job, role, on_metrics=on_metrics)
     return StageRunner(rpc, dht, job, role, initial_state=state, on_exclude=on_exclude, on_metrics=on_metrics)

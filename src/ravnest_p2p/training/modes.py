@@ -8,9 +8,10 @@ Three modes share the peers, the transport and the DHT:
   every worker holds the whole model; parameter shards are owned by workers (`strategies.sync_layout`);
   each step the owner of a shard averages the first N of N + b gradients and the workers move on
   (`training.sync_runner`).
-- ``ist``: Independent Subnetwork Training (Yuan et al., arXiv 1910.02120). The config is validated, the
-  in-process core exists (`strategies.ist`), the network runner does not yet: a peer reports the job
-  failed with a clear reason (docs/training-modes.md).
+- ``ist``: Independent Subnetwork Training (Yuan et al., arXiv 1910.02120): every worker holds a
+  replica of a `wide_mlp`; each round the hidden units are dealt afresh, every worker trains its
+  sub-network for K local steps and pulls its next sub-network's entries straight from the workers
+  that trained them (`training.ist_runner`, docs/training-modes.md).
 
 Why a module of its own: the JobSpec grows in several directions at once; the modes' fields stay in one
 block here, imported by `training.job`.
@@ -50,6 +51,8 @@ class SyncBackupConfig(_Config):
             (e.g. fewer than N workers left alive), instead of hanging.
         owner_ping_timeout_s: an owner that does not answer a ping within this is declared dead, and its
             shards move to the next owner of the layout.
+        owners: the workers that may own shards (None: every worker). Keep slow peers out: an owner
+            on a slow peer slows every step. If all of them die, every live worker may own.
     """
 
     num_required: int = Field(default=1, ge=1, le=1024)
@@ -58,6 +61,7 @@ class SyncBackupConfig(_Config):
     aggregation: Literal["sync", "async"] = "sync"
     step_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
     owner_ping_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    owners: tuple[str, ...] | None = Field(default=None, min_length=1, max_length=1024)
 
     @property
     def num_workers(self) -> int:
@@ -72,8 +76,13 @@ class IstConfig(_Config):
         local_steps: K, steps each worker trains its sub-network per round.
         scale_rule: ``train`` (multiply the inputs of dealt layers by n at train time), ``test`` (ResIST's
             1/n at test time) or ``none`` (see `strategies.ist.ScaleRule`).
+        round_timeout_s: a holder still behind after this long is gone for the round (and excluded from
+            the next deals): the round never waits longer on one worker.
+        peer_timeout_s: a holder unreachable for this long is gone for the round (and excluded after).
     """
 
     num_workers: int = Field(default=2, ge=1, le=1024)
     local_steps: int = Field(default=10, ge=1, le=100_000)
     scale_rule: Literal["train", "test", "none"] = "train"
+    round_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
+    peer_timeout_s: float = Field(default=10.0, gt=0, le=600)

@@ -2,7 +2,9 @@
 
 `plan_assignment` turns live `PeerRecord`s and a `JobSpec` into the job's explicit `assignment` via
 `planning.make_plan`: the layer profile comes from a dry run of the job's model, peer capacities from
-the measured figures in the records.
+the measured figures in the records, and the link matrix from the links each record reports
+(`links_from_records`) — the same measured pairs the peers' own agreed plans use, so a researcher's
+explicit plan sees the same slow links (unmeasured pairs fall back to min(up, down), as there).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from ravnest_p2p.discovery.records import PeerRecord
+from ravnest_p2p.discovery.records import PeerRecord, Serving
 from ravnest_p2p.models import (
     build_layers,
     build_model,
@@ -22,9 +24,19 @@ from ravnest_p2p.models import (
     profile_layers,
     sample_input,
 )
-from ravnest_p2p.planning import InfeasiblePlan, JobParams, PeerCapacity, Plan, make_plan
+from ravnest_p2p.models.registry import BUILTIN_MODELS
+from ravnest_p2p.planning import (
+    InfeasiblePlan,
+    JobParams,
+    LinkMatrix,
+    LinkReport,
+    PeerCapacity,
+    Plan,
+    make_plan,
+)
 from ravnest_p2p.planning.memory import memory_shortfall
 from ravnest_p2p.planning.window import planning_window
+from ravnest_p2p.training.datasets import BUILTIN_DATASETS
 from ravnest_p2p.training.job import JobSpec, StagePlacement
 from ravnest_p2p.types import LayerProfile, PeerState
 
@@ -32,7 +44,9 @@ __all__ = [
     "assignment_from_plan",
     "capacities_from_records",
     "job_params",
+    "job_serving",
     "layer_profiles",
+    "links_from_records",
     "optimizer_slots_name",
     "plan_assignment",
     "stage_profiles",
@@ -84,11 +98,16 @@ def optimizer_slots_name(job: JobSpec) -> str:
     return "sgd_momentum" if job.optimizer.name == "sgd" and job.optimizer.momentum else job.optimizer.name
 
 
-def capacities_from_records(records: Sequence[PeerRecord]) -> list[PeerCapacity]:
-    """Peers that can train (ready or training, reachable, measured compute) as planner inputs."""
+def capacities_from_records(
+    records: Sequence[PeerRecord], *, serving: Serving | None = None
+) -> list[PeerCapacity]:
+    """Peers that can train (ready or training, reachable, measured compute, serving the job's plugins
+    if `serving` is given) as planner inputs."""
     out = []
     for r in records:
         if r.state not in (PeerState.READY, PeerState.TRAINING) or r.client_mode or r.flops <= 0:
+            continue
+        if serving is not None and not serving.met_by(r):
             continue
         up = r.upload_mbps or _DEFAULT_LINK_MBPS
         down = r.download_mbps or _DEFAULT_LINK_MBPS
@@ -102,6 +121,32 @@ def capacities_from_records(records: Sequence[PeerRecord]) -> list[PeerCapacity]
             )
         )
     return out
+
+
+def job_serving(job: JobSpec) -> Serving:
+    """What `job` needs of a peer: the plugin model/data set it names (built-ins every peer has)."""
+    return Serving(
+        job_id=job.job_id,
+        plugin_models=frozenset({job.model} - BUILTIN_MODELS),
+        plugin_datasets=frozenset({job.dataset} - BUILTIN_DATASETS.keys()),
+    )
+
+
+def links_from_records(records: Sequence[PeerRecord], peers: Sequence[PeerCapacity]) -> LinkMatrix:
+    """The link matrix of `peers` from the links their records report (others' reports are ignored)."""
+    reports = {
+        r.peer_id: [
+            LinkReport(
+                peer_id=link.peer_id,
+                upload_bytes_per_s=link.up_mbps * 1e6 / 8,
+                download_bytes_per_s=link.down_mbps * 1e6 / 8,
+                rtt_s=link.rtt_ms / 1000,
+            )
+            for link in r.links
+        ]
+        for r in records
+    }
+    return LinkMatrix.build(peers, reports)
 
 
 def job_params(job: JobSpec, *, min_stages: int | None = None, num_layers: int | None = None) -> JobParams:
@@ -132,18 +177,33 @@ def assignment_from_plan(plan: Plan) -> tuple[tuple[StagePlacement, ...], ...]:
 
 
 def plan_assignment(
-    records: Sequence[PeerRecord], job: JobSpec, *, epoch: int = 0, min_stages: int | None = None
+    records: Sequence[PeerRecord],
+    job: JobSpec,
+    *,
+    epoch: int = 0,
+    min_stages: int | None = None,
+    use_links: bool = True,
 ) -> tuple[tuple[StagePlacement, ...], ...]:
     """Clusters and stages for `job` over the live `records`.
+
+    Args:
+        use_links: plan with the measured link matrix (`links_from_records`); False: each peer's own
+            up/down figures only.
 
     Raises:
         InfeasiblePlan: no cluster fits; the message says how much memory the model needs and what the
             peers offer (`planning.memory.memory_shortfall`).
     """
     layers = layer_profiles(job)
-    peers = capacities_from_records(records)
+    peers = capacities_from_records(records, serving=job_serving(job))
     params = job_params(job, min_stages=min_stages, num_layers=len(layers))
-    plan = make_plan(peers, layers, params, epoch=epoch)
+    plan = make_plan(
+        peers,
+        layers,
+        params,
+        epoch=epoch,
+        links=links_from_records(records, peers) if use_links else None,
+    )
     if not plan.clusters:
         why = memory_shortfall(peers, layers, params) or "no cluster of these peers can hold it"
         raise InfeasiblePlan(f"cannot plan job {job.job_id!r} ({job.model}): {why}")

@@ -20,7 +20,10 @@ replicas end training with identical weights (and evaluation sees them).
 With the job's `outer_optimizer`, every periodic round is an outer-optimizer sync instead
 (`averaging/outer.py`: averaged pseudo-gradients, an outer Nesterov step on a shared anchor); the
 schedule, rings and delayed apply are the same; the closing round stays a plain average. Its state
-can move with the stage (`export_outer_state` / `import_outer_state`).
+can move with the stage (`export_outer_state` / `import_outer_state`). With its `num_fragments` > 1
+(by step only) the syncs are staggered (`averaging/stagger.py`, Streaming DiLoCo): one fragment of the
+rings starts a sync every H / num_fragments steps, in the background; fragments' syncs may overlap, a
+fragment whose previous sync still runs skips its turn (its Δ goes into its next sync).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from ravnest_p2p.averaging import (
     build_shard_map,
     wait_for_period_boundary,
 )
+from ravnest_p2p.averaging.stagger import due_fragment, fragment_rings
 from ravnest_p2p.models import build_layers
 from ravnest_p2p.runtime.stage import StageExecutor
 from ravnest_p2p.training.job import JobSpec
@@ -145,13 +149,20 @@ class ReplicaAverager:
         self.skipped = 0
         self._deferred: int | None = None  # a round that came due while the previous one ran
         self.final_done = False
+        # staggered syncs (`averaging/stagger.py`): by step only; one background sync per fragment
+        self.num_fragments = outer.num_fragments if outer is not None and self.period_steps else 1
+        self._fragment_rings = fragment_rings(shard_map, self.num_fragments)
+        self._fragment_tasks: dict[int, asyncio.Task[RoundMetrics | None]] = {}
 
     async def start(self) -> None:
         # before the first round: only this map's ring members may open early streams to us
         self.rings.expect(self.shard_map)
         if self.outer is not None:  # the anchor: the weights training starts from (or imported ones)
-            params = self.executor.parameters_by_name
-            await run_in_compute_thread(lambda: self.outer.initialise(params()))  # type: ignore[union-attr]
+            # buffers too: with a Δ codec they travel as anchor - value (`averaging/outer.py`), and the
+            # anchor must be the same at every replica (the start, built from the job's seed)
+            executor = self.executor
+            held = lambda: {**executor.parameters_by_name(), **executor.buffers_by_name()}  # noqa: E731
+            await run_in_compute_thread(lambda: self.outer.initialise(held()))  # type: ignore[union-attr]
         await self.rings.start()
         if self.period_s > 0:
             self._tasks.spawn(self._clock(), name="clock")
@@ -182,11 +193,30 @@ class ReplicaAverager:
             index, self._deferred = self._deferred, None
         return metrics
 
-    async def _run(self, round_index: int) -> RoundMetrics | None:
+    def _start_fragment(self, round_index: int, fragment: int) -> None:
+        """Start `fragment`'s sync in the background, unless its previous one still runs (skipped).
+
+        Fragments' syncs overlap each other (disjoint rings and names); a fragment's own syncs do not.
+        A skipped sync is a sync this replica misses: its partners' ring forms without it, and its Δ
+        goes into its next sync of that fragment (`averaging/outer.py`'s rule).
+        """
+        running = self._fragment_tasks.get(fragment)
+        if running is not None and not running.done():
+            self.skipped += 1
+            logger.info("sync %d of fragment %d skipped: its previous sync still runs", round_index, fragment)
+            return
+        rings = self._fragment_rings[fragment]
+        self._fragment_tasks[fragment] = self._tasks.spawn(
+            self._run(round_index, ring_ids=rings), name=f"fragment-{fragment}"
+        )
+
+    async def _run(self, round_index: int, *, ring_ids: frozenset[str] | None = None) -> RoundMetrics | None:
         epoch, num_replicas = self.shard_map.epoch, len(self.shard_map.shards[0].owners)
         logger.info("epoch %d: averaging round %d started", epoch, round_index)
         # the closing round waits for replicas that have not finished yet: after it, they all agree
-        metrics = await self.averager.run_round(round_index, wait_for_all=round_index == FINAL_ROUND)
+        metrics = await self.averager.run_round(
+            round_index, wait_for_all=round_index == FINAL_ROUND, ring_ids=ring_ids
+        )
         if metrics is not None:
             self.rounds.append(metrics)
             logger.info(
@@ -202,12 +232,17 @@ class ReplicaAverager:
     async def on_step(self, step: int) -> None:
         if step >= self.final_step and not self.final_done:
             self.final_done = True
-            if self._round is not None:
-                with contextlib.suppress(Exception):
-                    await self._round  # never two rounds' snapshots interleaved
+            for running in [self._round, *self._fragment_tasks.values()]:
+                if running is not None:
+                    with contextlib.suppress(Exception):
+                        await running  # never two rounds' snapshots interleaved
             await self._run(FINAL_ROUND)
             return
-        if self.period_steps and step % self.period_steps == 0:
+        if self.period_steps and self.num_fragments > 1:
+            due = due_fragment(step, self.period_steps, self.num_fragments)
+            if due is not None:
+                self._start_fragment(*due)
+        elif self.period_steps and step % self.period_steps == 0:
             self._start_round(step // self.period_steps)
 
     @property
@@ -233,7 +268,8 @@ class ReplicaAverager:
         """
         if self.outer is None:
             raise ValueError("this job has no outer optimizer")
-        shapes = {n: p.shape for n, p in self.executor.parameters_by_name().items()}
+        held = {**self.executor.parameters_by_name(), **self.executor.buffers_by_name()}
+        shapes = {n: p.shape for n, p in held.items()}
         self.outer.import_state(tensors, shapes=shapes)
 
     async def aclose(self) -> None:

@@ -15,15 +15,8 @@ from ravnest_p2p.models import build_layers, count_layers, get_model_spec, inter
 from ravnest_p2p.models.spec import TensorSpec
 from ravnest_p2p.runtime.config import StageConfig
 from ravnest_p2p.runtime.stage import StageExecutor
-from ravnest_p2p.training.data import (
-    ArrayDataset,
-    iterate_batches,
-    load_char_corpus,
-    load_digits,
-    make_classification,
-    make_regression,
-    num_batches,
-)
+from ravnest_p2p.training.data import ArrayDataset, iterate_batches, num_batches
+from ravnest_p2p.training.datasets import load_job_data
 from ravnest_p2p.training.job import JobSpec
 
 __all__ = ["build_stage", "label_spec", "load_dataset", "num_layers", "steps_per_cluster", "train_batches"]
@@ -69,42 +62,8 @@ def build_stage(job: JobSpec, first_layer: int, end_layer: int, *, max_in_flight
 
 
 def load_dataset(job: JobSpec) -> tuple[ArrayDataset, ArrayDataset]:
-    """(train, held-out) splits of the job's data set (``max_eval_samples`` caps the held-out split)."""
-    train, held_out = _load_dataset(job)
-    limit = job.dataset_config.get("max_eval_samples")
-    if limit is not None and int(limit) < len(held_out):
-        held_out = ArrayDataset(held_out.inputs[: int(limit)], held_out.labels[: int(limit)])
-    return train, held_out
-
-
-def _load_dataset(job: JobSpec) -> tuple[ArrayDataset, ArrayDataset]:
-    options = dict(job.dataset_config)
-    if job.dataset == "digits":
-        return load_digits(seed=int(options.get("split_seed", 0)))
-    if job.dataset == "char_corpus":
-        corpus = load_char_corpus()
-        block_size = int(options.get("block_size", 64))
-        return corpus.windows("train", block_size), corpus.windows("val", block_size)
-    num = int(options.get("num_samples", 2048))
-    if job.dataset == "synthetic_classification":
-        full = make_classification(
-            num_samples=num,
-            in_features=int(options.get("in_features", 16)),
-            num_classes=int(options.get("num_classes", 4)),
-            seed=job.seed,
-        )
-    else:
-        full = make_regression(
-            num_samples=num,
-            in_features=int(options.get("in_features", 16)),
-            out_features=int(options.get("out_features", 1)),
-            seed=job.seed,
-        )
-    cut = int(num * 0.8)
-    return (
-        ArrayDataset(full.inputs[:cut], full.labels[:cut]),
-        ArrayDataset(full.inputs[cut:], full.labels[cut:]),
-    )
+    """(train, held-out) splits of the job's data set (`training.datasets`: checked against its digest)."""
+    return load_job_data(job)
 
 
 def steps_per_cluster(job: JobSpec, num_samples: int, num_clusters: int) -> int:

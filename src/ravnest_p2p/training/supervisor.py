@@ -28,8 +28,10 @@ from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from ravnest_p2p.discovery import dht_time
+from ravnest_p2p.training.datasets import load_job_data, missing_parts
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.jobs import read_job_signed
+from ravnest_p2p.training.placement import job_serving
 from ravnest_p2p.training.progress import (
     JobProgress,
     ProgressStore,
@@ -60,7 +62,7 @@ from ravnest_p2p.training.supervisor_seams import (
     rerun_allowed,
 )
 from ravnest_p2p.types import PeerState
-from ravnest_p2p.utils import TaskOwner
+from ravnest_p2p.utils import TaskOwner, run_in_compute_thread
 
 __all__ = [
     "JobSupervisor",
@@ -92,6 +94,8 @@ class JobSupervisor:
         on_state: told when this peer starts/stops training or drains (the announcer's record).
         serve_to: lets the new plan's peers fetch the state this peer held on an older plan of a job
             (job id, old epoch, peer ids): the hand-over server's allow-list.
+        on_unfit: told when `unfit` changes (the announcer's record says which job this peer cannot
+            serve and why).
     """
 
     def __init__(
@@ -109,6 +113,7 @@ class JobSupervisor:
         prepare: Callable[[StageRole], Awaitable[None]] | None = None,
         on_state: Callable[[PeerState], None] | None = None,
         serve_to: Callable[[str, int, frozenset[str]], None] | None = None,
+        on_unfit: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.peer_id = peer_id
@@ -122,6 +127,11 @@ class JobSupervisor:
         self.prepare = prepare
         self.on_state = on_state
         self.serve_to = serve_to
+        self.on_unfit = on_unfit
+        # (job id, why) when this peer cannot serve the run's job: its model or data set is not installed,
+        # or its data differs from the job's pinned digest; None: it can (or no job was read yet)
+        self.unfit: tuple[str, str] | None = None
+        self._fitness_of: str | None = None  # the job (as JSON) `unfit` was judged for
         self.finished: set[str] = set()  # jobs this peer will not run again
         self.role: StageRole | None = None
         self.runner: StageRun | None = None
@@ -215,14 +225,40 @@ class JobSupervisor:
             logger.debug("reading the job state failed: %r", exc)
             return None
 
+    async def _fit_for(self, job: JobSpec) -> bool:
+        """Whether this peer can serve `job` (judged once per job; the record tells the swarm if not)."""
+        if job.assignment is not None and self.peer_id not in {s.peer_id for c in job.assignment for s in c}:
+            return True
+        key = job.model_dump_json(exclude={"assignment"})
+        if self._fitness_of != key:
+            reason = missing_parts(job)
+            if reason is None:
+                try:  # every stage loads the data: load it now (cached) and check its digest
+                    await run_in_compute_thread(load_job_data, job)
+                except ValueError as exc:
+                    reason = f"data: {exc}"
+                except Exception as exc:  # a plugin's loader may raise anything: this peer just cannot serve
+                    reason = f"data: {type(exc).__name__}: {exc}"
+            self._fitness_of = key
+            unfit = (job.job_id, reason[:200]) if reason is not None else None
+            if unfit != self.unfit:
+                self.unfit = unfit
+                if unfit is not None:
+                    logger.warning("job %s: this peer cannot serve it: %s", job.job_id, reason)
+                if self.on_unfit is not None:
+                    self.on_unfit()
+        return self.unfit is None
+
     async def _role(self, job: JobSpec, progress: ProgressView | None) -> StageRole | None:
+        if not await self._fit_for(job):
+            return None
         if job.assignment is not None:
             return role_for(job, None, self.peer_id, progress=progress)
         if self.plans is None or self.workload is None:
             return None
         if self._workload_job != job.job_id:
             params, layers = await self.workload(job)
-            self.plans.set_workload(job.job_id, params, layers)
+            self.plans.set_workload(job.job_id, params, layers, serving=job_serving(job))
             self._workload_job = job.job_id
         plan = self.plans.active_plan
         if plan is None or self.plans.active_workload != job.job_id:

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ravnest_p2p.discovery.records import Serving
 from ravnest_p2p.errors import NeighbourLost
 from ravnest_p2p.planning import JobParams, Plan
 from ravnest_p2p.training.job import JobSpec
@@ -80,7 +81,9 @@ class PlanSource(Protocol):
     @property
     def active_workload(self) -> str | None: ...
 
-    def set_workload(self, key: str, job: JobParams, layers: list[LayerProfile]) -> None: ...
+    def set_workload(
+        self, key: str, job: JobParams, layers: list[LayerProfile], *, serving: Serving | None = None
+    ) -> None: ...
 
 
 class SuspectReporter(Protocol):

@@ -6,6 +6,12 @@ ours under the dead set we know, and the tensors are exactly the shard's (names,
 finite); it counts the gradient (`ShardOwner`) and holds the reply until the step completes (at most the
 request's `wait_s`), then answers with the shard's parameters.
 
+Refusals cost the sender, as in the pipeline (`transport.ledger.PeerLedger`, the pipeline's default
+threshold): a malformed push (a stranger, another job, a wrong tensor, a non-finite value, a step ahead)
+is counted against its sender, and past the threshold the sender's pushes are refused unread. Refusals
+that are normal around a failover (not the shard's owner any more, the sender declared dead, this peer
+left) are not counted.
+
 Failover. A worker that cannot reach an owner pings it; when it stays silent for the job's
 `owner_ping_timeout_s` the worker declares it dead and sends its gradient to the next owner the layout
 gives. That peer verifies the claim (its own pings) before it accepts, then takes the shard over from its
@@ -25,6 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ravnest_p2p.errors import InvalidMessage, RemoteError, TransportError
+from ravnest_p2p.runtime.service import PipelineConfig
 from ravnest_p2p.strategies import GradientRejected, Verdict
 from ravnest_p2p.strategies.sync_layout import SyncLayout
 from ravnest_p2p.training.job import JobSpec
@@ -39,6 +46,7 @@ from ravnest_p2p.training.sync_wire import (
     SyncReply,
     check_tensors,
 )
+from ravnest_p2p.transport.ledger import PeerLedger
 from ravnest_p2p.transport.rpc import CallContext, RpcEndpoint
 
 __all__ = ["OwnerService"]
@@ -46,6 +54,11 @@ __all__ = ["OwnerService"]
 logger = logging.getLogger(__name__)
 
 _PING_EACH_S = 3.0
+_MISBEHAVIOUR_THRESHOLD: int = PipelineConfig.model_fields["misbehaviour_threshold"].default
+
+
+class _NotCounted(InvalidMessage):
+    """A refusal that is normal around a failover: not held against the sender."""
 
 
 class OwnerService:
@@ -81,6 +94,7 @@ class OwnerService:
         self.evicted_event = asyncio.Event()
         self.final_sent: dict[int, set[str]] = {}  # shard -> workers that got its final parameters
         self.takeovers = 0
+        self.ledger = PeerLedger(threshold=_MISBEHAVIOUR_THRESHOLD)
         self._started = False
         self.all_final = asyncio.Event()  # every live worker got every final shard we own
 
@@ -136,7 +150,7 @@ class OwnerService:
         unknown = [p for p in claimed if p in self.layout.workers and p not in self.dead]
         if self.peer_id in unknown:
             self.evict(f"declared dead by another worker (its dead set: {list(claimed)[:4]})")
-            raise InvalidMessage("this peer was declared dead in the job")
+            raise _NotCounted("this peer was declared dead in the job")
         if unknown:
             await asyncio.gather(*(self.confirm_dead(p) for p in unknown))
 
@@ -179,20 +193,39 @@ class OwnerService:
     async def handle_push(
         self, request: SyncPush, tensors: list[torch.Tensor], context: CallContext
     ) -> tuple[SyncReply, list[torch.Tensor]]:
+        """Check, count and answer one push (see module docstring); refusals count against the sender.
+
+        Raises:
+            InvalidMessage: refused (nothing changed).
+        """
         sender = context.remote_peer_id
+        if self.ledger.is_excluded(sender):
+            raise InvalidMessage(f"{sender} is excluded from this job's shards (too many refused pushes)")
+        try:
+            return await self._handle_push(request, tensors, sender)
+        except _NotCounted:
+            raise
+        except InvalidMessage as exc:
+            if sender != self.peer_id:
+                self.ledger.count(sender, f"sync_push: {exc}"[:200])
+            raise
+
+    async def _handle_push(
+        self, request: SyncPush, tensors: list[torch.Tensor], sender: str
+    ) -> tuple[SyncReply, list[torch.Tensor]]:
         if request.job_id != self.job.job_id:
             raise InvalidMessage(f"not job {request.job_id!r}")
         if sender not in self.layout.workers:
             raise InvalidMessage("the sender is not a worker of the job")
         if self.evicted is not None:
-            raise InvalidMessage(f"this peer left the job: {self.evicted}")
+            raise _NotCounted(f"this peer left the job: {self.evicted}")
         if sender in self.dead:
-            raise InvalidMessage("the sender was declared dead")
+            raise _NotCounted("the sender was declared dead")
         if request.shard >= len(self.layout.shards):
             raise InvalidMessage(f"no shard {request.shard}")
         await self.learn_dead(request.dead)
         if self.owners()[request.shard] != self.peer_id:
-            raise InvalidMessage(f"not the owner of shard {request.shard} (dead set {sorted(self.dead)[:4]})")
+            raise _NotCounted(f"not the owner of shard {request.shard} (dead set {sorted(self.dead)[:4]})")
         owner = self._owner_of(request.shard, request.step)
         target = request.step
         if request.has_grads:
@@ -226,6 +259,11 @@ class OwnerService:
                 self.all_final.set()
         message = SyncReply(kind=kind, step=step, names=tuple(params), final=owner.final)
         return message, list(params.values())
+
+    def missing_final(self) -> list[str]:
+        """Live workers that have not fetched the final parameters of some shard we own."""
+        live = self.layout.live(self.dead)
+        return [w for w in live if any(w not in self.final_sent.get(s, set()) for s in self.owned)]
 
     def all_final_sent(self) -> bool:
         """Whether every live worker got the final parameters of every shard we own."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -31,12 +32,13 @@ from ravnest_p2p.errors import InvalidMessage, RavnestError, RemoteError, Transp
 from ravnest_p2p.models import build_model, get_model_spec, make_loss, parse_config
 from ravnest_p2p.strategies.sync_layout import SyncLayout
 from ravnest_p2p.training.job import JobSpec
-from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics
+from ravnest_p2p.training.metrics import StageMetrics
 from ravnest_p2p.training.progress import JobProgress, ProgressStore, publish_progress
 from ravnest_p2p.training.resume import HeldState
 from ravnest_p2p.training.role import StageRole
 from ravnest_p2p.training.stages import load_dataset
 from ravnest_p2p.training.sync_owners import OwnerService
+from ravnest_p2p.training.sync_report import evaluate, store_metrics, timing_record
 from ravnest_p2p.training.sync_shard import SyncBatches, sync_final_step
 from ravnest_p2p.training.sync_wire import SYNC_PUSH, ReplyKind, SyncPush, SyncReply, check_tensors
 from ravnest_p2p.transport.rpc import CallContext, Reply, RpcEndpoint
@@ -48,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 _WAIT_S = 15.0  # one push's reply is held at most this long; the step deadline bounds the retries
 _LINGER_S = 30.0  # an owner serves its final shard until every live worker has it, at most this long
+_LINGER_CHECK_S = 3.0  # while lingering, the workers still missing a final shard are pinged this often
 _FINAL_METRICS_S = 30.0
 
 
@@ -88,7 +91,9 @@ class SyncBackupRunner:
         self.model = nn.Sequential(*layers)
         self.params = dict(self.model.named_parameters())
         sizes = {name: p.numel() * p.element_size() for name, p in self.params.items()}
-        self.layout = SyncLayout.build(job.job_id, self.workers, sizes, job.sync_backup.num_shards)
+        self.layout = SyncLayout.build(
+            job.job_id, self.workers, sizes, job.sync_backup.num_shards, job.sync_backup.owners
+        )
         self.train, self.held_out = load_dataset(job)
         self.batches = SyncBatches(
             self.train, batch_size=job.batch_size, seed=job.seed, num_workers=len(self.workers)
@@ -113,7 +118,9 @@ class SyncBackupRunner:
         self.loss: float | None = None
         self.late = 0  # this worker's gradients dropped as late
         self.step_times_s: list[float] = []
+        self.gradient_times_s: list[float] = []  # compute thread time of each gradient (no waiting)
         self.compute_s = 0.0
+        self.train_s = 0.0  # wall time of the training loop (start barrier, evaluation, linger excluded)
         self.eval_loss: float | None = None
         self.eval_accuracy: float | None = None
         self._done = False
@@ -139,6 +146,7 @@ class SyncBackupRunner:
                 self.eval_loss,
                 self.eval_accuracy,
             )
+            logger.info("sync timing %s", json.dumps(timing_record(self)))
             self._done = True
             await self._linger()
         except asyncio.CancelledError:
@@ -190,13 +198,20 @@ class SyncBackupRunner:
 
     async def _train(self) -> None:
         self._started = time.monotonic()
+        try:
+            await self._steps()
+        finally:
+            self.train_s = time.monotonic() - self._started
+
+    async def _steps(self) -> None:
         while self.step < self.final_version and not self.stop_requested.is_set():
             began = time.monotonic()
             step = self.step
             data_step = self.iterations if self.is_async else step
             loss, grads = await run_in_compute_thread(self._gradient, data_step)
             self.iterations += 1
-            self.compute_s += time.monotonic() - began
+            self.gradient_times_s.append(time.monotonic() - began)
+            self.compute_s += self.gradient_times_s[-1]
             self.loss = loss
             replies = await asyncio.gather(
                 *(self._exchange(shard, step, grads) for shard in range(len(self.layout.shards)))
@@ -306,11 +321,23 @@ class SyncBackupRunner:
         }
 
     async def _linger(self) -> None:
-        """Serve our final shards until every live worker has them (bounded by `_LINGER_S`)."""
-        if self.stop_requested.is_set() or self.owners.all_final_sent():
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.owners.all_final.wait(), _LINGER_S)
+        """Serve our final shards until every live worker has them (bounded by `_LINGER_S`).
+
+        A worker killed mid-run that owned nothing was never declared dead (nobody had to reach it):
+        every few seconds the workers still missing a final shard are pinged, and the silent ones join
+        the dead set, so the job ends without waiting the whole linger for them.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _LINGER_S
+        while not self.stop_requested.is_set() and not self.owners.all_final_sent():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.owners.all_final.wait(), min(_LINGER_CHECK_S, remaining))
+            missing = self.owners.missing_final()
+            if missing:
+                await asyncio.gather(*(self.owners.confirm_dead(p) for p in missing))
 
     # ----- compute (the compute thread) -------------------------------------------------------------
     def _gradient(self, step: int) -> tuple[float, dict[str, Tensor]]:
@@ -324,22 +351,10 @@ class SyncBackupRunner:
             grads[name] = param.grad.detach().clone() if param.grad is not None else torch.zeros_like(param)
         return float(loss.detach()), grads
 
-    @torch.no_grad()
+    # ----- reporting (`training.sync_report`) -------------------------------------------------------
     def _evaluate(self) -> tuple[float, float]:
-        self.model.eval()
-        total, correct, count = 0.0, 0, 0
-        size = self.job.eval_batch_size
-        for start in range(0, len(self.held_out), size):
-            inputs = self.held_out.inputs[start : start + size]
-            labels = self.held_out.labels[start : start + size]
-            output = self.model(inputs)
-            total += float(self.loss_fn(output, labels)) * labels.shape[0]
-            if output.is_floating_point() and not labels.is_floating_point():
-                correct += int((output.argmax(dim=-1) == labels).sum())
-            count += int(labels.shape[0])
-        return total / max(1, count), correct / max(1, count)
+        return evaluate(self.model, self.held_out, self.loss_fn, self.job.eval_batch_size)
 
-    # ----- reporting --------------------------------------------------------------------------------
     def metrics(self) -> StageMetrics:
         wall_s = time.monotonic() - self._started
         return StageMetrics(
@@ -386,19 +401,7 @@ class SyncBackupRunner:
                 reason="done" if self._done else self._failure,
             )
             await publish_progress(self.dht, record, final=True)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (_FINAL_METRICS_S if final else 0.0)
-        while True:
-            try:
-                stored = await self.dht.store_own(
-                    METRICS_KEY, metrics.model_dump(mode="json"), ttl_s=600, pin_to_initial_peers=final
-                )
-            except Exception as exc:
-                stored = False
-                logger.debug("metrics publication failed: %r", exc)
-            if stored or loop.time() + 0.5 > deadline:
-                return
-            await asyncio.sleep(0.5)  # retry backoff, bounded by the deadline
+        await store_metrics(self.dht, metrics, final=final, retry_for_s=_FINAL_METRICS_S)
 
     async def _metrics_loop(self) -> None:
         while True:

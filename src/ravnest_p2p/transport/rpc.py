@@ -9,6 +9,7 @@ two runs can share a daemon without crossing wires.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import nullcontext
@@ -94,6 +95,10 @@ class RpcEndpoint:
         self.compression = compression
         self.served: dict[str, RpcMethod[Any, Any]] = {}
         """The methods this endpoint serves, by name (what a peer exposes to anyone who dials it)."""
+        self.bytes_sent: collections.Counter[str] = collections.Counter()
+        """Encoded bytes handed to the transport, by method name (requests made + replies served)."""
+        self.bytes_received: collections.Counter[str] = collections.Counter()
+        """Encoded bytes taken from the transport, by method name (replies got + requests served)."""
 
     @property
     def peer_id(self) -> str:
@@ -104,39 +109,43 @@ class RpcEndpoint:
 
     async def serve(self, method: RpcMethod[ReqT, RespT], handler: Handler) -> None:
         async def raw(data: Buffer, remote_peer_id: str) -> bytes:
-            context = CallContext(remote_peer_id=remote_peer_id, method=method.name)
-            try:
-                envelope = decode_envelope(data, max_bytes=method.max_request_bytes)
-                if envelope.header.get("kind") != "request":
-                    raise InvalidMessage("expected a request")
-                if len(envelope.blobs) > method.max_tensors:
-                    raise InvalidMessage(
-                        f"{len(envelope.blobs)} tensors exceed the limit of {method.max_tensors}"
-                    )
-                request = _decode_body(method.request_type, envelope.header.get("body"))
-                tensors = [decode_tensor(blob) for blob in envelope.blobs]
-                result = await asyncio.wait_for(handler(request, tensors, context), method.handler_timeout_s)
-                message, out_tensors = result if isinstance(result, tuple) else (result, ())
-                return _encode("response", message, out_tensors, self.compression)
-            except InvalidMessage as exc:
-                logger.debug("refused %s from %s: %s", method.name, remote_peer_id, exc)
-                return error_envelope(exc.code, str(exc))
-            except TimeoutError:
-                return error_envelope(
-                    "handler_timeout", f"{method.name} took over {method.handler_timeout_s}s"
-                )
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a peer boundary: log it with the caller, reply, keep serving
-                logger.warning(
-                    "handler %s failed for %s: %r", method.name, remote_peer_id, exc, exc_info=True
-                )
-                return error_envelope("internal", f"{type(exc).__name__}: {exc}")
+            self.bytes_received[method.name] += memoryview(data).nbytes
+            reply = await self._answer(method, handler, data, remote_peer_id)
+            self.bytes_sent[method.name] += len(reply)
+            return reply
 
         await self.transport.add_handler(
             self._qualified(method), raw, max_request_bytes=method.max_request_bytes
         )
         self.served[method.name] = method
+
+    async def _answer(
+        self, method: RpcMethod[Any, Any], handler: Handler, data: Buffer, remote_peer_id: str
+    ) -> bytes:
+        context = CallContext(remote_peer_id=remote_peer_id, method=method.name)
+        try:
+            envelope = decode_envelope(data, max_bytes=method.max_request_bytes)
+            if envelope.header.get("kind") != "request":
+                raise InvalidMessage("expected a request")
+            if len(envelope.blobs) > method.max_tensors:
+                raise InvalidMessage(
+                    f"{len(envelope.blobs)} tensors exceed the limit of {method.max_tensors}"
+                )
+            request = _decode_body(method.request_type, envelope.header.get("body"))
+            tensors = [decode_tensor(blob) for blob in envelope.blobs]
+            result = await asyncio.wait_for(handler(request, tensors, context), method.handler_timeout_s)
+            message, out_tensors = result if isinstance(result, tuple) else (result, ())
+            return _encode("response", message, out_tensors, self.compression)
+        except InvalidMessage as exc:
+            logger.debug("refused %s from %s: %s", method.name, remote_peer_id, exc)
+            return error_envelope(exc.code, str(exc))
+        except TimeoutError:
+            return error_envelope("handler_timeout", f"{method.name} took over {method.handler_timeout_s}s")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a peer boundary: log it with the caller, reply, keep serving
+            logger.warning("handler %s failed for %s: %r", method.name, remote_peer_id, exc, exc_info=True)
+            return error_envelope("internal", f"{type(exc).__name__}: {exc}")
 
     async def unserve(self, method: RpcMethod[Any, Any]) -> None:
         self.served.pop(method.name, None)
@@ -162,6 +171,7 @@ class RpcEndpoint:
         data = _encode_parts(
             "request", request, tensors, self.compression if compression is None else compression
         )
+        self.bytes_sent[method.name] += sum(memoryview(part).nbytes for part in data)
         gate = self.transport.gate
         mark = gate.foreground() if (bool(tensors) if foreground is None else foreground) else nullcontext()
         try:
@@ -180,6 +190,7 @@ class RpcEndpoint:
             raise DeadlineExceeded(f"{method.name} to {peer_id} exceeded {timeout_s:.1f}s") from None
         except InvalidMessage as exc:  # e.g. an oversized reply
             raise TransportError(f"{method.name} reply from {peer_id} refused: {exc}") from None
+        self.bytes_received[method.name] += memoryview(raw).nbytes
         try:
             envelope = decode_envelope(raw, max_bytes=method.max_response_bytes)
             kind = envelope.header.get("kind")

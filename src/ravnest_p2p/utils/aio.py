@@ -7,12 +7,13 @@ import contextlib
 import functools
 import inspect
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-__all__ = ["TaskOwner", "run_in_compute_thread", "wait_until"]
+__all__ = ["StretchedDeadline", "TaskOwner", "load_stretch", "run_in_compute_thread", "wait_until"]
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -28,6 +29,48 @@ async def run_in_compute_thread(fn: Callable[..., T], /, *args: Any, **kwargs: A
     return await loop.run_in_executor(_COMPUTE_EXECUTOR, functools.partial(fn, *args, **kwargs))
 
 
+_MAX_STRETCH = 6.0  # a wait never grows past this many times its timeout, however busy the host
+
+
+def load_stretch() -> float:
+    """How many times slower than an idle host this one runs now: the 1-minute load average per CPU this
+    process may use, between 1 and `_MAX_STRETCH` (1 where the platform has no load average)."""
+    try:
+        load = os.getloadavg()[0]
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return 1.0
+    return min(_MAX_STRETCH, max(1.0, load / max(cpus, 1)))
+
+
+class StretchedDeadline:
+    """A deadline that grows with the host's load (`load_stretch`), for waits on work that needs CPU.
+
+    A peer that starts in 5 s on an idle host took over 60 s at a load of 30 on 2 cores; a fixed deadline
+    tuned to a quiet machine then fails a healthy wait. The deadline is `timeout_s` times the largest
+    stretch seen while waiting (checked once `timeout_s` has passed), never more than `_MAX_STRETCH` times.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.started = time.monotonic()
+        self.stretch = load_stretch()
+
+    def expired(self) -> bool:
+        elapsed = time.monotonic() - self.started
+        if elapsed < self.timeout_s:
+            return False
+        self.stretch = max(self.stretch, load_stretch())
+        return elapsed >= self.timeout_s * self.stretch
+
+    def describe(self) -> str:
+        """The wait's length for an error message, e.g. ``60s (x3.2 for the host's load)``."""
+        waited = time.monotonic() - self.started
+        return f"{waited:.0f}s" + (
+            f" ({self.timeout_s:.0f}s x{self.stretch:.1f} for the host's load)" if self.stretch > 1 else ""
+        )
+
+
 async def wait_until(
     predicate: Callable[[], bool | Awaitable[bool]],
     timeout_s: float,
@@ -35,16 +78,17 @@ async def wait_until(
     interval_s: float = 0.05,
     message: str = "condition",
 ) -> None:
-    """Poll `predicate` until it holds; raise TimeoutError naming `message` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
+    """Poll `predicate` until it holds; TimeoutError naming `message` after `timeout_s`, stretched by the
+    host's load (`StretchedDeadline`)."""
+    deadline = StretchedDeadline(timeout_s)
     while True:
         result = predicate()
         if inspect.isawaitable(result):
             result = await result
         if result:
             return
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.1f}s waiting for {message}")
+        if deadline.expired():
+            raise TimeoutError(f"timed out after {deadline.describe()} waiting for {message}")
         await asyncio.sleep(interval_s)
 
 

@@ -20,9 +20,14 @@ from tests.unit.averaging.helpers import fake_swarm, owned, replica
 BUFFERS = {"2.running_mean", "2.running_var"}
 
 
-async def make_swarm(num_clusters, outer_config, *, same_start):
-    """Averagers (plain if `outer_config` is None) over one fake swarm; live values per peer."""
-    _net, shard_map, servers, cluster_of = await fake_swarm(num_clusters, RingConfig())
+async def make_swarm(num_clusters, outer_config, *, same_start, ring_config=None, nets=None):
+    """Averagers (plain if `outer_config` is None) over one fake swarm; live values per peer.
+
+    `nets`: if given, the fake network is appended to it (to kill peers).
+    """
+    net, shard_map, servers, cluster_of = await fake_swarm(num_clusters, ring_config or RingConfig())
+    if nets is not None:
+        nets.append(net)
     starts = [replica(0 if same_start else seed) for seed in range(num_clusters)]
     live = {p: {n: t.clone() for n, t in owned(shard_map, p, starts[cluster_of[p]]).items()} for p in servers}
 
@@ -85,7 +90,7 @@ async def test_h1_lr1_no_momentum_equals_plain_averaging_bit_for_bit():
             assert torch.equal(value, outer_live[peer][name])
 
 
-@pytest.mark.parametrize("compression", [DeltaCompression.NONE, DeltaCompression.INT4, DeltaCompression.TOPK])
+@pytest.mark.parametrize("compression", list(DeltaCompression))
 async def test_replicas_are_identical_after_every_outer_step(compression):
     config = OuterOptimizerConfig(compression=compression, chunk_numel=64, topk_fraction=0.1)
     live, averagers, cluster_of = await make_swarm(4, config, same_start=True)

@@ -8,7 +8,7 @@ import pytest
 from hivemind.utils.serializer import MSGPackSerializer
 
 from ravnest_p2p.discovery import DEFAULT_KEYS
-from ravnest_p2p.discovery.records import MAX_LINKS, SCHEMA_VERSION, parse_peer_record
+from ravnest_p2p.discovery.records import MAX_LINKS, MAX_PLUGINS, SCHEMA_VERSION, parse_peer_record
 from ravnest_p2p.errors import InvalidRecord
 
 PEER = "QmVRjtfVd4D7oN4Ca6PPG8GoxuGoYwp47sEk9yYknEHqAj"
@@ -87,7 +87,12 @@ def test_largest_valid_record_fits_the_peers_key() -> None:
         stage=100_000,
         epoch=2**62,
         client_mode=False,
+        plugin_models=[f"m{i:02d}" + "x" * 45 for i in range(MAX_PLUGINS)],
+        plugin_datasets=[f"d{i:02d}" + "x" * 45 for i in range(MAX_PLUGINS)],
+        unfit_job="j" * 64,
+        unfit_reason="r" * 200,
     )
     parsed = parse_peer_record(value, signer_peer_id=PEER)
+    assert len(parsed.plugin_models) == MAX_PLUGINS
     size = len(MSGPackSerializer.dumps(parsed.model_dump(mode="json")))
-    assert size < cap, size
+    assert size < cap, size  # 16051 of 16384 bytes with maximal plugin fields

@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from ravnest_p2p.measurement import compute
-from ravnest_p2p.measurement.compute import ComputeReading, measure_matmul_flops, quota_cpus
+from ravnest_p2p.measurement.compute import (
+    ComputeReading,
+    measure_matmul_flops,
+    quota_cpus,
+    remeasure_matmul_flops,
+)
 
 CLEAN = ComputeReading(flops=40e9, cpu_share=1.95, allowed_cpus=2.0)
 BUSY = ComputeReading(flops=0.047e9, cpu_share=0.4, allowed_cpus=2.0)  # the reading that once stuck
@@ -36,7 +41,7 @@ def test_a_clean_reading_is_cached_and_reused(cache_file: Path) -> None:
     assert measure_matmul_flops(reader=again) == 40e9
     assert again.taken == 0
     (entry,) = json.loads(cache_file.read_text()).values()
-    assert entry["flops"] == 40e9
+    assert [flops for flops, _ in entry["readings"]] == [40e9]
 
 
 def test_a_busy_reading_is_never_cached_and_the_median_is_advertised(cache_file: Path) -> None:
@@ -64,7 +69,7 @@ def test_an_old_figure_expires_and_a_fresh_one_replaces_it(cache_file: Path) -> 
     cache_file.write_text(json.dumps(stale))
     fresh = ComputeReading(flops=50e9, cpu_share=2.0, allowed_cpus=2.0)
     assert measure_matmul_flops(reader=Readings(fresh)) == 50e9
-    assert json.loads(cache_file.read_text())[key]["flops"] == 50e9
+    assert [flops for flops, _ in json.loads(cache_file.read_text())[key]["readings"]] == [50e9]
 
 
 @pytest.mark.parametrize(
@@ -94,3 +99,30 @@ def test_quota_cpus() -> None:
     assert quota_cpus("13333") == 0.13333
     assert quota_cpus("max") is None
     assert quota_cpus("unknown in v2:/lab-0") is None
+
+
+def _clean(gflops: float) -> ComputeReading:
+    return ComputeReading(flops=gflops * 1e9, cpu_share=1.9, allowed_cpus=2.0)
+
+
+def test_the_advertised_figure_is_the_median_of_recent_clean_readings(cache_file: Path) -> None:
+    assert measure_matmul_flops(reader=Readings(_clean(40))) == 40e9
+    # background readings refine it; a busy one is dropped and changes nothing
+    assert remeasure_matmul_flops(reader=Readings(_clean(10))) == 25e9  # median of 40, 10
+    assert remeasure_matmul_flops(reader=Readings(BUSY)) is None
+    assert remeasure_matmul_flops(reader=Readings(_clean(38))) == 38e9  # median of 40, 10, 38
+    # a new peer on the host reads the same median without measuring
+    assert measure_matmul_flops(reader=Readings()) == 38e9
+    for gflops in (41, 42, 43, 44):
+        remeasure_matmul_flops(reader=Readings(_clean(gflops)))
+    (entry,) = json.loads(cache_file.read_text()).values()
+    assert [flops / 1e9 for flops, _ in entry["readings"]] == [38, 41, 42, 43, 44]  # the newest five
+
+
+def test_expired_readings_leave_the_median(cache_file: Path) -> None:
+    key = compute._cache_key("cpu", "float32")
+    cache_file.parent.mkdir(parents=True)
+    cache_file.write_text(json.dumps({key: {"readings": [[1e9, 0.0], [2e9, 1.0]]}}))  # 1970
+    assert remeasure_matmul_flops(reader=Readings(_clean(40))) == 40e9
+    (entry,) = json.loads(cache_file.read_text()).values()
+    assert [flops for flops, _ in entry["readings"]] == [40e9]

@@ -60,3 +60,20 @@ def test_batch_slots_tile_the_data_epochs() -> None:
     assert slots == [divmod(i, 7) for i in range(21)]
     with pytest.raises(ValueError):
         batch_slot(0, 3, 3, 7)
+
+
+def test_owner_candidates_own_every_shard_and_the_others_take_over_only_when_all_are_dead() -> None:
+    workers = ["a", "b", "c", "d", "slow"]
+    sizes = {f"t{i}": 100 + i for i in range(10)}
+    layout = SyncLayout.build("job", workers, sizes, 5, candidates=["a", "b", "c"])
+    assert set(layout.owners()) <= {"a", "b", "c"}
+    assert layout.shards_of("slow") == []
+    assert layout.shards_of("d") == []
+    moved = layout.owners({"a"})
+    assert set(moved) <= {"b", "c"}
+    # only a's shards moved
+    assert all(new == old for old, new in zip(layout.owners(), moved, strict=True) if old != "a")
+    # every candidate dead: the live workers own again (a smaller set never stops the job)
+    assert set(layout.owners({"a", "b", "c"})) <= {"d", "slow"}
+    with pytest.raises(ValueError, match="subset"):
+        SyncLayout.build("job", workers, sizes, 5, candidates=["stranger"])

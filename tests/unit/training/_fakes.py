@@ -54,9 +54,11 @@ class FakePlans:
         self.active_plan: Plan | None = None
         self.active_workload: str | None = None
         self.workloads: list[str] = []
+        self.serving: list[Any] = []
 
-    def set_workload(self, key: str, job: JobParams, layers: list[Any]) -> None:
+    def set_workload(self, key: str, job: JobParams, layers: list[Any], *, serving: Any = None) -> None:
         self.workloads.append(key)
+        self.serving.append(serving)
 
 
 def make_plan(epoch: int, *clusters: list[tuple[str, int, int]]) -> Plan:

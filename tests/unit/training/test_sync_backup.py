@@ -189,3 +189,17 @@ def test_shard_owner_async_baseline_counts_staleness() -> None:
     assert owner.step == 2
     assert dict(owner.staleness) == {0: 1, 1: 1}
     assert torch.equal(owner.params["w"].detach(), torch.full((2,), -2.0))
+
+
+async def test_only_the_jobs_owner_candidates_own_shards() -> None:
+    _, runners = _runners(3, n=2, b=1, max_steps=4, owners=("w0", "w1"))
+    assert runners[2].layout.shards_of("w2") == []
+    results = await asyncio.gather(*(r.run() for r in runners))
+    assert all(m.done for m in results)
+    assert not runners[2].owners.owned
+    assert {s for r in runners[:2] for s in r.owners.owned} == set(range(len(runners[0].layout.shards)))
+
+
+def test_owner_candidates_must_be_workers() -> None:
+    with pytest.raises(ValueError, match="owners"):
+        _job(["w0", "w1"], n=2, b=0, max_steps=2, owners=("w0", "x"))
