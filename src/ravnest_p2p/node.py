@@ -29,8 +29,10 @@ from ravnest_p2p.measurement import (
     LinkPublisher,
     NetworkMeter,
     ProbeConfig,
+    framework_overhead_bytes,
     free_memory_bytes,
     measure_matmul_flops,
+    release_free_memory,
     remeasure_matmul_flops,
 )
 from ravnest_p2p.measurement.compute_refresh import ComputeRefresher
@@ -162,12 +164,13 @@ class Peer:
         self._plugins = advertised_plugins()
         self._tasks = TaskOwner(f"peer-{transport.peer_id[-6:]}")
         self._closed = False
+        self._overhead_bytes: int | None = None
         self.supervisor = JobSupervisor(
             SupervisorConfig(poll_s=config.job_poll_s, drain_grace_s=config.drain_grace_s),
             peer_id=transport.peer_id,
             dht=dht,
             plans=self.membership,
-            workload=_workload,
+            workload=self._workload,
             start_runner=self._start_runner,
             state_source=HandoverStateSource(self.rpc, dht=dht, checkpoint_dir=config.checkpoint_dir),
             suspects=self.membership,
@@ -271,6 +274,8 @@ class Peer:
         runner = start_mode_runner(self.rpc, self.dht, job, role, state, on_exclude=report)
         if isinstance(runner, StageRunner):
             runner.checkpoint_dir = self.config.checkpoint_dir
+            if self.config.max_memory_gb is not None:
+                runner.memory_available_bytes = self._free_memory_bytes()
         return runner
 
     def _serve_state_to(self, job_id: str, epoch: int, peer_ids: frozenset[str]) -> None:
@@ -348,6 +353,31 @@ class Peer:
             for link in chosen
         )
 
+    async def _workload(self, job: JobSpec) -> tuple[JobParams, list[LayerProfile]]:
+        """What the membership plans a job with: its params and layer profile (a dry run of the model).
+
+        The dry run leaves some memory resident that the process cannot give back (freed heap pages in
+        use by fragments, allocator caches): the overhead is measured again after it, so what the peer
+        announces and checks its stage against is what is really left (docs/memory.md).
+        """
+        layers = await run_in_compute_thread(layer_profiles, job)
+        release_free_memory()
+        overhead = framework_overhead_bytes()
+        if self._overhead_bytes is None or overhead > self._overhead_bytes:
+            self._overhead_bytes = overhead
+            logger.info("framework overhead: %.0f MiB after the dry run of %s", overhead / 2**20, job.model)
+            self.announcer.refresh_soon()
+        return job_params(job, num_layers=len(layers)), layers
+
+    def _free_memory_bytes(self) -> int:
+        """Memory for stages: the cap minus this peer's own baseline, measured once (`measurement.memory`)."""
+        if self._overhead_bytes is None:
+            self._overhead_bytes = framework_overhead_bytes()
+            logger.info("framework overhead: %.0f MiB (process and p2p daemon)", self._overhead_bytes / 2**20)
+        return free_memory_bytes(
+            self.config.device, cap_gb=self.config.max_memory_gb, overhead_bytes=self._overhead_bytes
+        )
+
     def _make_record(self) -> PeerRecord:
         up, down, rtt = self.meter.summary()
         flops, emulate = self.flops, self.config.emulate
@@ -364,7 +394,7 @@ class Peer:
             software_version=f"ravnest_p2p/{__version__} py/{platform.python_version()}",
             device=self.config.device,
             flops=flops,
-            free_memory_bytes=free_memory_bytes(self.config.device, cap_gb=self.config.max_memory_gb),
+            free_memory_bytes=self._free_memory_bytes(),
             upload_mbps=up,
             download_mbps=down,
             rtt_ms=rtt,
@@ -417,9 +447,3 @@ class Peer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-
-async def _workload(job: JobSpec) -> tuple[JobParams, list[LayerProfile]]:
-    """What the membership plans a job with: its params and layer profile (a dry run of the model)."""
-    layers = await run_in_compute_thread(layer_profiles, job)
-    return job_params(job, num_layers=len(layers)), layers

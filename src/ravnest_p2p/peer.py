@@ -60,7 +60,7 @@ def build_parser() -> OneLineArgumentParser:
         help="peer id of the run's owner: only its jobs are trained (omit: an open run, anyone's jobs)",
     )
     p.add_argument("--device", help="torch device to train on: cpu, cuda[:N], mps")
-    p.add_argument("--max-memory-gb", type=float, help="cap on memory this peer offers")
+    p.add_argument("--max-memory-gb", type=float, help="cap on memory this peer offers, in GB (10**9 bytes)")
     p.add_argument(
         "--use-relay",
         action=argparse.BooleanOptionalAction,

@@ -39,3 +39,11 @@ class LayerProfile(BaseModel):
     param_bytes: int = Field(ge=0)
     optimizer_state_bytes: int = Field(ge=0)
     activation_bytes_per_sample: int = Field(ge=0, description="bytes of this layer's output, per sample")
+    trainable_bytes: int | None = Field(
+        default=None, ge=0, description="bytes of trainable parameters (stash, gradient); None: param_bytes"
+    )
+    saved_bytes_per_sample: int = Field(
+        default=0,
+        ge=0,
+        description="what autograd saves for backward (not parameters), per sample",
+    )

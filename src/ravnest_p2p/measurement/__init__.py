@@ -2,7 +2,12 @@
 
 from ravnest_p2p.measurement.compute import measure_matmul_flops, remeasure_matmul_flops
 from ravnest_p2p.measurement.links import LinkPublisher, PublishedLink
-from ravnest_p2p.measurement.memory import free_memory_bytes
+from ravnest_p2p.measurement.memory import (
+    framework_overhead_bytes,
+    free_memory_bytes,
+    peak_rss_bytes,
+    release_free_memory,
+)
 from ravnest_p2p.measurement.network import LinkEstimate, NetworkMeter, ProbeConfig
 
 __all__ = [
@@ -11,7 +16,10 @@ __all__ = [
     "NetworkMeter",
     "ProbeConfig",
     "PublishedLink",
+    "framework_overhead_bytes",
     "free_memory_bytes",
     "measure_matmul_flops",
+    "peak_rss_bytes",
+    "release_free_memory",
     "remeasure_matmul_flops",
 ]

@@ -39,6 +39,7 @@ from ravnest_p2p.membership.suspects import DhtSuspectBoard, SuspectBoard, Suspe
 from ravnest_p2p.membership.suspicion import SuspicionKeeper
 from ravnest_p2p.membership.view import Capacity, MembershipView, SummaryItem
 from ravnest_p2p.planning import JobParams, LinkMatrix, PeerCapacity, Plan, make_plan
+from ravnest_p2p.planning.memory import memory_shortfall
 from ravnest_p2p.transport import RpcEndpoint
 from ravnest_p2p.types import LayerProfile, PeerState
 from ravnest_p2p.utils import run_in_compute_thread
@@ -430,6 +431,12 @@ class MembershipService:
                 len(self._proposal.clusters),
                 len(self._proposal.spare_peer_ids),
             )
+            if not self._proposal.clusters:
+                peers, _ = self._plan_inputs()
+                why = memory_shortfall(peers, self.config.layers, self.config.job)
+                logger.warning(
+                    "the plan has no cluster: %s", why or "no cluster of the members can hold the model"
+                )
             self.plan_changed.set()
             self.plan_changed = asyncio.Event()
             for callback in self._listeners:

@@ -9,11 +9,15 @@ matmuls and convolutions analytically (2 FLOPs per multiply-add) and ignores ele
 with no matmul at all (embeddings, pooling) would then cost zero, which lies to the planner; we floor
 each layer at one FLOP per output element. The figure is **forward** FLOPs per sample; a training
 step (forward + backward) costs about three times that, which is the planner's convention to apply.
+
+Activation memory is measured, not guessed: a second forward with autograd on records, through
+``torch.autograd.graph.saved_tensors_hooks``, every tensor autograd keeps for backward, counted once per
+storage and without the parameters (they are saved by reference, not copied).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -33,8 +37,33 @@ def _param_bytes(layer: nn.Module, *, trainable_only: bool) -> int:
     )
 
 
+def _saved_bytes(layer: nn.Module, x: Tensor) -> int:
+    """Bytes of the tensors autograd saves in one forward of ``layer`` (parameters excluded)."""
+    param_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    seen: dict[int, int] = {}
+
+    kept: list[Tensor] = []  # alive until the forward ends, so no storage is freed and reused meanwhile
+
+    def pack(t: Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in param_storages:
+            seen[storage.data_ptr()] = storage.nbytes()
+        kept.append(t)
+        # the graph keeps nothing: returning the tensor would let an op that saves its own output hold
+        # itself through its grad_fn, a cycle the garbage collector cannot see (it leaked every layer)
+
+    def unpack(_: None) -> Tensor:
+        raise AssertionError("the profiler never runs backward")
+
+    inputs = x.detach().requires_grad_(x.is_floating_point())
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        layer(inputs)
+    kept.clear()
+    return sum(seen.values())
+
+
 def profile_layers(
-    layers: Sequence[nn.Module], sample_input: Tensor, *, optimizer: str = "adam"
+    layers: Iterable[nn.Module], sample_input: Tensor, *, optimizer: str = "adam"
 ) -> list[LayerProfile]:
     """Profile each cuttable layer with one forward pass of ``sample_input``.
 
@@ -42,7 +71,8 @@ def profile_layers(
     back in the mode they were in.
 
     Args:
-        layers: the model's cuttable layers, in order.
+        layers: the model's cuttable layers, in order (any iterable: a generator that builds each
+            layer on demand keeps one layer in memory at a time).
         sample_input: a batch of at least one sample of the model's input.
         optimizer: one of `OPTIMIZER_STATE_SLOTS` (sets optimizer state bytes).
 
@@ -64,6 +94,7 @@ def profile_layers(
         was_training = layer.training
         layer.eval()
         try:
+            saved = _saved_bytes(layer, x)
             with torch.no_grad(), FlopCounterMode(display=False) as counter:
                 x = layer(x)
         finally:
@@ -77,6 +108,8 @@ def profile_layers(
                 param_bytes=_param_bytes(layer, trainable_only=False),
                 optimizer_state_bytes=slots * _param_bytes(layer, trainable_only=True),
                 activation_bytes_per_sample=output_elements_per_sample * x.element_size(),
+                trainable_bytes=_param_bytes(layer, trainable_only=True),
+                saved_bytes_per_sample=saved // batch_size,
             )
         )
     return profiles

@@ -25,15 +25,19 @@ from ravnest_p2p.models.convnets import (
     build_resnet_small,
 )
 from ravnest_p2p.models.mlp import MLPConfig, build_mlp
-from ravnest_p2p.models.spec import LossName, TensorSpec
+from ravnest_p2p.models.spec import LossName, TensorSpec, trace_output_specs
+from ravnest_p2p.models.transformer import CausalLMConfig, build_causal_lm, build_causal_lm_range
 from ravnest_p2p.models.wide_mlp import WideMLPConfig, build_wide_mlp
 
 __all__ = [
     "BUILTIN_MODELS",
     "ModelSpec",
     "available_models",
+    "build_layers",
     "build_model",
+    "count_layers",
     "get_model_spec",
+    "inter_layer_spec",
     "parse_config",
     "sample_input",
 ]
@@ -52,6 +56,10 @@ class ModelSpec:
         input_spec: spec of the model's input (what stage 0 accepts).
         label_spec: spec of the labels the last stage's loss accepts.
         loss: name of the loss in `ravnest_p2p.models.spec.LOSSES`.
+        build_range: builds only layers ``[start, end)``, equal to the same slice of a full build from
+            the same RNG state (None: `build_layers` builds everything and slices).
+        num_layers: the layer count without building (None: counted from a full build).
+        output_spec: the spec of layer ``i``'s output without building (None: traced).
     """
 
     key: str
@@ -60,6 +68,9 @@ class ModelSpec:
     input_spec: Callable[[Any], TensorSpec]
     label_spec: Callable[[Any], TensorSpec]
     loss: Callable[[Any], LossName]
+    build_range: Callable[[Any, int, int], list[nn.Module]] | None = None
+    num_layers: Callable[[Any], int] | None = None
+    output_spec: Callable[[Any, int], TensorSpec] | None = None
 
 
 def _classification(config: Any) -> LossName:
@@ -114,6 +125,19 @@ _REGISTRY: dict[str, ModelSpec] = {
             input_spec=lambda c: TensorSpec((c.in_features,), torch.float32),
             label_spec=lambda c: TensorSpec((), torch.int64, high=c.out_features),
             loss=_classification,
+        ),
+        ModelSpec(
+            key="causal_lm",
+            config_cls=CausalLMConfig,
+            build=build_causal_lm,
+            input_spec=lambda c: TensorSpec((c.block_size,), torch.int64, high=c.vocab_size),
+            label_spec=lambda c: TensorSpec((c.block_size,), torch.int64, high=c.vocab_size),
+            loss=_classification,
+            build_range=build_causal_lm_range,
+            num_layers=lambda c: c.num_model_layers,
+            output_spec=lambda c, i: TensorSpec(
+                (c.block_size, c.vocab_size if i == c.num_model_layers - 1 else c.embed_dim), torch.float32
+            ),
         ),
     )
 }
@@ -196,3 +220,46 @@ def sample_input(key: str, config_dict: Mapping[str, Any] | None = None, *, batc
     if ispec.dtype.is_floating_point:
         return torch.randn(shape, generator=generator, dtype=ispec.dtype)
     return torch.randint(0, ispec.high or 2, shape, generator=generator, dtype=ispec.dtype)
+
+
+def build_layers(
+    key: str, config_dict: Mapping[str, Any] | None, *, seed: int | None, start: int, end: int
+) -> list[nn.Module]:
+    """Layers ``[start, end)`` of model ``key``, with the weights a full `build_model` would give them.
+
+    Models with a `ModelSpec.build_range` build only those layers (a stage of a 1B model never allocates
+    the rest); others are built whole and sliced.
+
+    Raises:
+        ValueError: unknown key, bad config, or a range outside the model.
+    """
+    spec = get_model_spec(key)
+    config = parse_config(key, config_dict)
+    if spec.build_range is None:
+        layers = build_model(key, config_dict, seed=seed)
+        if not 0 <= start < end <= len(layers):
+            raise ValueError(f"layers [{start}, {end}) outside a model of {len(layers)} layers")
+        return layers[start:end]
+    if seed is None:
+        return spec.build_range(config, start, end)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return spec.build_range(config, start, end)
+
+
+def count_layers(key: str, config_dict: Mapping[str, Any] | None = None) -> int:
+    """How many cuttable layers model ``key`` has (without building it where the model allows)."""
+    spec = get_model_spec(key)
+    config = parse_config(key, config_dict)
+    if spec.num_layers is not None:
+        return spec.num_layers(config)
+    return len(spec.build(config))
+
+
+def inter_layer_spec(key: str, config_dict: Mapping[str, Any] | None, index: int) -> TensorSpec:
+    """The spec of layer ``index``'s output (the input of a stage starting at ``index + 1``)."""
+    spec = get_model_spec(key)
+    config = parse_config(key, config_dict)
+    if spec.output_spec is not None:
+        return spec.output_spec(config, index)
+    return trace_output_specs(build_model(key, config_dict), sample_input(key, config_dict))[index]

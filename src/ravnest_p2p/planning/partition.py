@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ravnest_p2p.planning.links import LinkMatrix
+from ravnest_p2p.planning.memory import layer_memory_bytes
 from ravnest_p2p.planning.types import InfeasiblePlan, JobParams, PeerCapacity
 from ravnest_p2p.types import LayerProfile
 
@@ -46,21 +47,6 @@ __all__ = [
     "model_memory_bytes",
     "partition_layers",
 ]
-
-
-def layer_memory_bytes(layer: LayerProfile, job: JobParams) -> int:
-    """Memory one layer needs on its stage, headroom included.
-
-    Parameters, optimizer state, ``max_in_flight`` stashed weight versions and the activations of
-    ``max_in_flight`` micro-batches, times ``memory_headroom``.
-    """
-    in_flight = job.max_in_flight
-    raw = (
-        layer.param_bytes * (1 + in_flight)
-        + layer.optimizer_state_bytes
-        + layer.activation_bytes_per_sample * job.micro_batch_size * in_flight
-    )
-    return math.ceil(raw * job.memory_headroom)
 
 
 def model_memory_bytes(layers: Sequence[LayerProfile], job: JobParams) -> int:

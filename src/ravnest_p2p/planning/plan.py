@@ -66,6 +66,42 @@ def _cluster_plan(
     return ClusterPlan(index=index, stages=stages, bottleneck_s=bottleneck)
 
 
+def _plan_or_take_spares_back(
+    index: int,
+    members: list[PeerCapacity],
+    spares: list[PeerCapacity],
+    layers: Sequence[LayerProfile],
+    job: JobParams,
+    links: LinkMatrix | None,
+) -> ClusterPlan | None:
+    """The cluster's plan; if its layers do not split over ``members``, with spares taken back.
+
+    Spares were set aside against the cluster's *total* memory, but layers are not divisible: the
+    contiguous split may need a spare's memory back. Spares are taken back most memory first (id on
+    ties, so every peer decides alike) and removed from ``spares`` when used. None: the cluster
+    dissolves (its members are the caller's to set aside).
+    """
+    try:
+        return _cluster_plan(index, members, layers, job, links)
+    except InfeasiblePlan as exc:
+        failure = exc
+    taken: list[PeerCapacity] = []
+    for extra in sorted(spares, key=lambda p: (-p.memory_bytes, p.peer_id)):
+        if len(members) + len(taken) >= len(layers):
+            break
+        taken.append(extra)
+        try:
+            plan = _cluster_plan(index, [*members, *taken], layers, job, links)
+        except InfeasiblePlan as exc:
+            failure = exc
+            continue
+        for peer in taken:
+            spares.remove(peer)
+        return plan
+    logger.debug("cluster of %d peers dissolved: %s", len(members), failure)
+    return None
+
+
 def make_plan(
     peers: Sequence[PeerCapacity],
     layers: Sequence[LayerProfile],
@@ -102,11 +138,11 @@ def make_plan(
             by_speed = sorted(members_list, key=lambda p: (-p.flops_per_s, p.peer_id))
             members_list, extra = by_speed[: len(layers)], by_speed[len(layers) :]
             spare_list += extra
-        try:
-            plans.append(_cluster_plan(len(plans), members_list, layers, job, links))
-        except InfeasiblePlan as exc:
-            logger.debug("cluster of %d peers dissolved: %s", len(members_list), exc)
+        plan = _plan_or_take_spares_back(len(plans), members_list, spare_list, layers, job, links)
+        if plan is None:
             spare_list += members_list
+        else:
+            plans.append(plan)
     return Plan(
         epoch=epoch,
         clusters=tuple(plans),

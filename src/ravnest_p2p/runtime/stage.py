@@ -455,6 +455,9 @@ class StageExecutor:
             return self._call(stash.params, record.inputs, throwaway_buffers)
 
     def _backprop(self, output: Tensor, grad: Tensor | None, x_in: Tensor, stash: _Stash) -> Tensor | None:
+        # the previous micro-batch's gradients go first: with them alive, a backward would hold two
+        # gradient copies at once (`planning.memory` budgets one)
+        self._last_param_grads = {}
         names = list(stash.params)
         wrt = [stash.params[n] for n in names] + ([x_in] if x_in.requires_grad else [])
         if not wrt:  # nothing trainable and no input gradient wanted (e.g. a lone pooling layer)
@@ -471,7 +474,9 @@ class StageExecutor:
         for n, g in param_grads.items():
             p = self._trainable[n]
             if p.grad is None:
-                p.grad = g.clone()
+                # no copy: the kept `last_param_grads` and `.grad` share it until the next backward,
+                # which replaces the former before adding into the latter; nothing steps it in place
+                p.grad = g
             else:
                 p.grad.add_(g)
         return grads[-1] if x_in.requires_grad else None

@@ -109,6 +109,8 @@ class DigitsConfig(_Config):
 
 class CharCorpusConfig(_Config):
     block_size: int = Field(default=64, ge=1, le=1 << 16)
+    # a big model's end-of-run evaluation of the whole split can take longer than its training
+    max_eval_samples: int | None = Field(default=None, ge=1)
 
 
 class SyntheticClassificationConfig(_Config):
@@ -136,7 +138,10 @@ def _digits(c: DigitsConfig, *, seed: int) -> tuple[ArrayDataset, ArrayDataset]:
 
 def _char_corpus(c: CharCorpusConfig, *, seed: int) -> tuple[ArrayDataset, ArrayDataset]:
     corpus = load_char_corpus()
-    return corpus.windows("train", c.block_size), corpus.windows("val", c.block_size)
+    held_out = corpus.windows("val", c.block_size)
+    if c.max_eval_samples is not None and c.max_eval_samples < len(held_out):
+        held_out = ArrayDataset(held_out.inputs[: c.max_eval_samples], held_out.labels[: c.max_eval_samples])
+    return corpus.windows("train", c.block_size), held_out
 
 
 def _classification(c: SyntheticClassificationConfig, *, seed: int) -> tuple[ArrayDataset, ArrayDataset]:

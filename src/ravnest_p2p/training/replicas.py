@@ -50,7 +50,7 @@ from ravnest_p2p.averaging import (
     wait_for_period_boundary,
 )
 from ravnest_p2p.averaging.stagger import due_fragment, fragment_rings
-from ravnest_p2p.models import build_model
+from ravnest_p2p.models import build_layers
 from ravnest_p2p.runtime.stage import StageExecutor
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.transport.rpc import RpcEndpoint
@@ -67,10 +67,10 @@ FINAL_ROUND = 2**40
 
 def stage_entries(job: JobSpec, first_layer: int, end_layer: int) -> list[tuple[str, int]]:
     """(global name, numel) of the floating parameters and buffers of layers [first_layer, end_layer)."""
-    layers = build_model(job.model, job.model_params)
+    layers = build_layers(job.model, job.model_params, seed=None, start=first_layer, end=end_layer)
     entries = []
-    for index in range(first_layer, end_layer):
-        for name, tensor in [*layers[index].named_parameters(), *layers[index].named_buffers()]:
+    for index, layer in enumerate(layers, start=first_layer):
+        for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
             if tensor.is_floating_point():
                 entries.append((f"{index}.{name}", tensor.numel()))
     return entries

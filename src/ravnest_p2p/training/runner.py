@@ -22,11 +22,16 @@ from torch import Tensor
 
 from ravnest_p2p.discovery import RunDHT, dht_time
 from ravnest_p2p.errors import RavnestError
+from ravnest_p2p.measurement.memory import release_free_memory
+from ravnest_p2p.models import count_layers
+from ravnest_p2p.planning.memory import stage_memory
 from ravnest_p2p.runtime.service import PipelineConfig, StageService
 from ravnest_p2p.training.data import ArrayDataset
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.jobs import JOB_KEY, pick_job, pick_job_signed, read_job, read_job_signed
+from ravnest_p2p.training.memory_fit import check_stage_fits, describe
 from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics
+from ravnest_p2p.training.placement import job_params, stage_profiles
 from ravnest_p2p.training.progress import JobProgress, ProgressStore, publish_progress
 from ravnest_p2p.training.replicas import ReplicaAverager, tensor_digests
 from ravnest_p2p.training.resume import HeldState, apply_state, cluster_batches
@@ -37,6 +42,7 @@ from ravnest_p2p.training.stage_state import StageState, capture_state
 from ravnest_p2p.training.stages import build_stage, label_spec, load_dataset
 from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import TaskOwner
+from ravnest_p2p.utils.aio import run_in_compute_thread
 
 __all__ = [
     "JOB_KEY",
@@ -98,6 +104,9 @@ class StageRunner(InPlaceMoves):
         # (peer id, reason) of a sender the stage's ledger excluded: the node reports it to membership
         self.on_exclude = on_exclude
         self.checkpoint_dir: Path | None = None  # where to keep checkpoints (set by the node), see stage_hook
+        # memory this peer has for a stage (its cap minus its own overhead; set by the node): a role that
+        # does not fit is refused before its layers are built (`training.memory_fit`)
+        self.memory_available_bytes: int | None = None
         self.dht = dht
         self.job = job
         self.role = role
@@ -259,13 +268,45 @@ class StageRunner(InPlaceMoves):
         service = self.service
         if service is None:
             return
-        state = capture_state(service.executor)
+        # a finished stage never steps again: its held state takes the tensors over instead of doubling
+        # them (planning.memory does not budget a second copy); a cancelled or failed one may still be
+        # touched by a late message while it winds down, so it keeps a snapshot
+        state = capture_state(service.executor, copy=not self._done)
         self.held_state = HeldState(self.role.first_layer, self.role.end_layer, state)
+
+    async def _check_memory(self) -> None:
+        """Raise `StageDoesNotFit` if this role's stage, for its window, exceeds this peer's memory."""
+        job, role = self.job, self.role
+        assert self.memory_available_bytes is not None
+        profiles = await run_in_compute_thread(stage_profiles, job, role.first_layer, role.end_layer)
+        release_free_memory()
+        params = job_params(job, num_layers=count_layers(job.model, job.model_params))
+        params = params.model_copy(update={"max_in_flight": role.window})
+        need = check_stage_fits(
+            profiles,
+            params,
+            available_bytes=self.memory_available_bytes,
+            what=f"stage {role.stage_index} (layers [{role.first_layer}, {role.end_layer}))",
+        )
+        raw = stage_memory(profiles, params)
+        logger.info(
+            "stage %d (layers [%d, %d)) needs %.3f GiB (%s GiB; %.3f GiB with headroom) of the %.3f GiB "
+            "this peer has",
+            role.stage_index,
+            role.first_layer,
+            role.end_layer,
+            raw.total_bytes / 2**30,
+            describe(raw),
+            need / 2**30,
+            self.memory_available_bytes / 2**30,
+        )
 
     async def run(self) -> StageMetrics:
         """Train this stage until the job is done (or fails, or is stopped); return the final metrics."""
         job, role = self.job, self.role
         adaptive = job.adaptive_window and job.schedule == "async_1f1b"
+        if self.memory_available_bytes is not None:
+            await self._check_memory()
         executor = build_stage(job, role.first_layer, role.end_layer, max_in_flight=role.window)
         if self.initial_state is not None:
             self.restored = apply_state(executor, self.initial_state)

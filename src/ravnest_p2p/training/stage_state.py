@@ -291,8 +291,15 @@ def capture_state(
     names: Iterable[str] | None = None,
     *,
     progress: Mapping[str, int | float | str] | None = None,
+    copy: bool = True,
 ) -> StageState:
     """A copy of the stage's state (all of it, or `names`), with digests and counters.
+
+    Args:
+        copy: clone the tensors (the default: the stage may train on). False takes the live tensors
+            over, for a stage that will never step again: a second full copy of parameters and
+            optimizer state is what OOM-killed the stages of `benchmarks/bench_big_model` at the end
+            of their run.
 
     Raises:
         StateMismatch: a name the stage does not hold.
@@ -302,7 +309,7 @@ def capture_state(
     missing = [n for n in wanted if n not in live]
     if missing:
         raise StateMismatch(f"this stage holds no {missing[:5]}")
-    tensors = {n: live[n].clone() for n in wanted}
+    tensors = {n: live[n].clone() if copy else live[n].detach() for n in wanted}
     return StageState(
         tensors=tensors,
         digests={n: tensor_digest(t) for n, t in tensors.items()},

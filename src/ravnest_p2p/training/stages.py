@@ -1,7 +1,8 @@
 """Turn a JobSpec and a stage placement into a ready `StageExecutor`, and the job's data into batches.
 
-Every peer builds the *whole* model from (key, config, seed) and keeps only its slice, so all replicas
-and all stages start from bit-identical weights without shipping any.
+Every peer builds its layers from (key, config, seed), so all replicas and all stages start from
+bit-identical weights without shipping any. Models that can (`ModelSpec.build_range`, e.g. `causal_lm`)
+build only the stage's own layers; the others are built whole and sliced.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 
 from torch import Tensor
 
-from ravnest_p2p.models import build_model, get_model_spec, parse_config, sample_input, trace_output_specs
+from ravnest_p2p.models import build_layers, count_layers, get_model_spec, inter_layer_spec, parse_config
 from ravnest_p2p.models.spec import TensorSpec
 from ravnest_p2p.runtime.config import StageConfig
 from ravnest_p2p.runtime.stage import StageExecutor
@@ -22,7 +23,7 @@ __all__ = ["build_stage", "label_spec", "load_dataset", "num_layers", "steps_per
 
 
 def num_layers(job: JobSpec) -> int:
-    return len(build_model(job.model, job.model_params))
+    return count_layers(job.model, job.model_params)
 
 
 def label_spec(job: JobSpec) -> TensorSpec:
@@ -32,16 +33,17 @@ def label_spec(job: JobSpec) -> TensorSpec:
 
 def build_stage(job: JobSpec, first_layer: int, end_layer: int, *, max_in_flight: int) -> StageExecutor:
     """The executor for layers [first_layer, end_layer) of the job's model."""
-    layers = build_model(job.model, job.model_params, seed=job.seed)
-    if not 0 <= first_layer < end_layer <= len(layers):
-        raise ValueError(f"stage [{first_layer}, {end_layer}) outside a model of {len(layers)} layers")
+    total = num_layers(job)
+    if not 0 <= first_layer < end_layer <= total:
+        raise ValueError(f"stage [{first_layer}, {end_layer}) outside a model of {total} layers")
+    layers = build_layers(job.model, job.model_params, seed=job.seed, start=first_layer, end=end_layer)
     spec = get_model_spec(job.model)
     config = parse_config(job.model, job.model_params)
     if first_layer == 0:
         input_spec = spec.input_spec(config)
     else:
-        input_spec = trace_output_specs(layers, sample_input(job.model, job.model_params))[first_layer - 1]
-    is_last = end_layer == len(layers)
+        input_spec = inter_layer_spec(job.model, job.model_params, first_layer - 1)
+    is_last = end_layer == total
     stage_config = StageConfig(
         first_layer_index=first_layer,
         is_last=is_last,
@@ -53,7 +55,7 @@ def build_stage(job: JobSpec, first_layer: int, end_layer: int, *, max_in_flight
     )
     return StageExecutor(
         stage_config,
-        layers[first_layer:end_layer],
+        layers,
         input_spec=input_spec,
         label_spec=spec.label_spec(config) if is_last else None,
     )

@@ -20,6 +20,7 @@ SMALL_CONFIGS = {
     "resnet_small": {"image_size": 8, "width": 8, "blocks_per_stage": [1, 2]},
     "char_gpt": {"vocab_size": 20, "block_size": 12, "num_layers": 2, "embed_dim": 16, "num_heads": 2},
     "wide_mlp": {"hidden_features": [16, 8]},
+    "causal_lm": {"vocab_size": 20, "block_size": 12, "num_layers": 2, "embed_dim": 16, "num_heads": 2},
 }
 
 

@@ -28,10 +28,11 @@ def brute_force(peers, layers, job):
     return best
 
 
-def test_layer_memory_counts_params_optimizer_stash_and_activations() -> None:
+def test_layer_memory_counts_params_grads_optimizer_stash_and_activations() -> None:
     layer = random_layers(np.random.default_rng(0), 1)[0]
     job = JobParams(micro_batch_size=4, max_in_flight=3, memory_headroom=1.0)
-    expected = layer.param_bytes * 4 + layer.optimizer_state_bytes + layer.activation_bytes_per_sample * 4 * 3
+    # live + 3 stashed versions + 1 gradient; activations of 3 micro-batches of 4 samples
+    expected = layer.param_bytes * 5 + layer.optimizer_state_bytes + layer.activation_bytes_per_sample * 4 * 3
     assert layer_memory_bytes(layer, job) == expected
     assert layer_memory_bytes(layer, job.model_copy(update={"memory_headroom": 2.0})) == 2 * expected
 

@@ -163,3 +163,16 @@ def test_expected_entries_name_every_slot_and_sources_cover_ranges():
     assert sources_for_range(3, 7, [("x", 0, 5), ("y", 5, 9)]) == [("x", 3, 5), ("y", 5, 7)]
     with pytest.raises(ValueError, match="no owner"):
         sources_for_range(3, 7, [("x", 0, 4), ("y", 5, 9)])
+
+
+def test_a_finished_stage_hands_its_tensors_over_without_a_second_copy():
+    job = resnet_job(ADAM)
+    [stage] = build_split(job, [(0, 5)])
+    train_step([stage], 0)
+    copied, taken = capture_state(stage), capture_state(stage, copy=False)
+    assert copied.tensors.keys() == taken.tensors.keys()
+    assert copied.digests == taken.digests
+    live = stage.parameters_by_name()
+    name = next(iter(live))
+    assert taken.tensors[name].data_ptr() == live[name].data_ptr()  # the same storage, not a copy
+    assert copied.tensors[name].data_ptr() != live[name].data_ptr()
