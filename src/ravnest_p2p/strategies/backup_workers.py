@@ -164,6 +164,18 @@ class SyncAggregator:
         """Gradients counted so far for the current step."""
         return len(self._contributors)
 
+    def fast_forward(self, step: int) -> bool:
+        """Move the current step to `step` (later than now), dropping what was counted for the old one.
+
+        For a shard taken over after its owner died: workers that got the dead owner's last reply are a
+        step ahead of the new owner's copy. Returns whether the step moved.
+        """
+        if step <= self._step:
+            return False
+        self._step = step
+        self._sums, self._contributors = {}, []
+        return True
+
     def check(self, worker_id: str, step: object, grads: Mapping[str, object]) -> int:
         """The form checks of `submit` alone (sender, step, names, shapes, dtypes, finite); returns step.
 

@@ -103,6 +103,18 @@ class ShardOwner:
             self.dropped[result.verdict] += 1
         return result
 
+    def fast_forward(self, step: int) -> bool:
+        """Label the parameters as at `step` (later than now; sync aggregation only) and wake the waiters.
+
+        The update(s) in between are lost for this shard (a dead owner applied them and answered only
+        some workers; see docs/training-modes.md). Returns whether the step moved.
+        """
+        if self.aggregation != "sync" or step > self.final_step or not self.aggregator.fast_forward(step):
+            return False
+        self._moved.set()
+        self._moved = asyncio.Event()
+        return True
+
     def _apply_now(self, worker_id: str, step: int, grads: Mapping[str, Tensor]) -> Submission:
         # the aggregator checks the form only: its step is not the version here
         self.aggregator.check(worker_id, step, grads)

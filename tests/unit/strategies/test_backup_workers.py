@@ -185,3 +185,20 @@ def test_bad_configuration_is_refused():
         SyncAggregator(["a", "a"], 1, {"w": ((1,), torch.float32)})
     with pytest.raises(ValueError, match="lr"):
         SyncBackupOwner({"w": torch.zeros(1)}, ["a"], 1, lr=0.0)
+
+
+def test_fast_forward_moves_only_ahead_and_drops_what_was_counted():
+    specs = {"w": ((2,), torch.float32)}
+    agg = SyncAggregator(["a", "b", "c"], 2, specs, start_step=2)
+    assert agg.submit("a", 2, {"w": torch.ones(2)}).verdict == Verdict.ACCEPTED
+    assert agg.submit("b", 3, {"w": torch.ones(2)}).verdict == Verdict.FUTURE
+    assert not agg.fast_forward(2)  # not ahead: nothing changes
+    assert agg.num_pending == 1
+    assert agg.fast_forward(3)
+    assert (agg.step, agg.num_pending) == (3, 0)  # step 2's partial sum is gone, never applied
+    assert agg.submit("a", 2, {"w": torch.ones(2)}).verdict == Verdict.LATE
+    assert agg.submit("b", 3, {"w": torch.ones(2)}).verdict == Verdict.ACCEPTED
+    update = agg.submit("c", 3, {"w": 3 * torch.ones(2)}).update
+    assert update is not None
+    assert update.step == 3
+    assert torch.equal(update.mean_grads["w"], 2 * torch.ones(2))
