@@ -17,9 +17,10 @@ Failover. A worker that cannot reach an owner pings it; when it stays silent for
 gives. That peer verifies the claim (its own pings) before it accepts, then takes the shard over from its
 own worker's copy, at the newer of its copy's step and the request's step. A step's update of that shard
 can be lost if the dead owner had applied it and answered only some workers (known limit, documented in
-docs/training-modes.md); with plain SGD the optimizer loses nothing else, with momentum/Adam the new
-owner starts with fresh optimizer state. A peer that learns it was declared dead (a request lists it)
-stops: its shards have moved.
+docs/training-modes.md): a worker that got that reply pushes the next step, and the new owner
+fast-forwards its copy to it rather than refuse it as ahead. With plain SGD the optimizer loses nothing
+else; with momentum/Adam the new owner starts with fresh optimizer state. A peer that learns it was
+declared dead (a request lists it) stops: its shards have moved.
 """
 
 from __future__ import annotations
