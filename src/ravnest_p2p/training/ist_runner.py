@@ -41,11 +41,12 @@ from ravnest_p2p.strategies.ist_local import eval_layers
 from ravnest_p2p.training.ist_state import IstState, LeftJob
 from ravnest_p2p.training.ist_wire import IST_PULL, IstPull, PartsKind, check_parts
 from ravnest_p2p.training.job import JobSpec
-from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics
+from ravnest_p2p.training.metrics import StageMetrics
 from ravnest_p2p.training.progress import ProgressStore
 from ravnest_p2p.training.resume import HeldState
 from ravnest_p2p.training.role import StageRole
 from ravnest_p2p.training.stages import load_dataset
+from ravnest_p2p.training.sync_report import evaluate, store_metrics
 from ravnest_p2p.training.sync_shard import SyncBatches, sync_final_step
 from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import TaskOwner, run_in_compute_thread
@@ -56,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 _WAIT_S = 5.0  # a holder holds a pull at most this long waiting for its previous round
 _RETRY_S = 0.2  # between attempts at an unreachable holder, bounded by `peer_timeout_s`
+_FINAL_METRICS_S = 30.0  # a final metrics record is retried this long
 _LINGER_S = 30.0  # after the final gather, serve the others' final pulls at most this long
 _OK, _GONE, _MISMATCH = "ok", "gone", "mismatch"
 
@@ -335,19 +337,8 @@ class IstRunner:
         n = len(self.state.live(max(0, self.num_rounds - 1)))
         return nn.Sequential(*eval_layers(self.state.layers, n, self.scale_rule))
 
-    @torch.no_grad()
     def _evaluate(self) -> tuple[float, float]:
-        model = self.final_model().eval()
-        total, correct, count = 0.0, 0, 0
-        size = self.job.eval_batch_size
-        for start in range(0, len(self.held_out), size):
-            inputs = self.held_out.inputs[start : start + size]
-            labels = self.held_out.labels[start : start + size]
-            output = model(inputs)
-            total += float(self.loss_fn(output, labels)) * labels.shape[0]
-            correct += int((output.argmax(dim=-1) == labels).sum())
-            count += int(labels.shape[0])
-        return total / max(1, count), correct / max(1, count)
+        return evaluate(self.final_model(), self.held_out, self.loss_fn, self.job.eval_batch_size)
 
     async def _linger(self) -> None:
         """Serve the other live workers' final pulls (bounded by `_LINGER_S`)."""
@@ -388,21 +379,8 @@ class IstRunner:
         metrics = self.metrics()
         if self.on_metrics is not None:
             self.on_metrics(metrics)
-        if self.dht is None:
-            return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (30.0 if final else 0.0)
-        while True:
-            try:
-                stored = await self.dht.store_own(
-                    METRICS_KEY, metrics.model_dump(mode="json"), ttl_s=600, pin_to_initial_peers=final
-                )
-            except Exception as exc:
-                stored = False
-                logger.debug("metrics publication failed: %r", exc)
-            if stored or loop.time() + 0.5 > deadline:
-                return
-            await asyncio.sleep(0.5)  # retry backoff, bounded by the deadline
+        if self.dht is not None:
+            await store_metrics(self.dht, metrics, final=final, retry_for_s=_FINAL_METRICS_S)
 
     async def _metrics_loop(self) -> None:
         while True:

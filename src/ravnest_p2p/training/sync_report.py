@@ -1,4 +1,5 @@
-"""What a sync_backup worker reports: held-out evaluation, metrics stored in the DHT, a timing record.
+"""What a one-stage worker (sync_backup, IST) reports: held-out evaluation, metrics stored in the DHT, a
+timing record (sync_backup).
 
 Split from `training.sync_runner` (the worker loop) so that each file stays one concern. The timing
 record is logged once at the end of a worker's run (``sync timing {json}``): per-gradient compute
