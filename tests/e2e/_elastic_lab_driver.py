@@ -30,7 +30,7 @@ from typing import Any
 from ravnest_p2p.client import RunClient, newest_epoch
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import StageMetrics
-from ravnest_p2p.utils import StretchedDeadline
+from ravnest_p2p.utils import wait_until
 
 INITIAL_LOSS = 2.30  # ln(10)
 _RESUMED = re.compile(r"resumed at micro-batch (\d+): held-out loss ([0-9.]+)")
@@ -38,11 +38,7 @@ _EVALUATED = re.compile(r"\] micro-batch (\d+): held-out loss ([0-9.]+)")
 
 
 async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout_s: float, *, what: str) -> None:
-    deadline = StretchedDeadline(timeout_s)  # longer on a busy host
-    while not await predicate():
-        if deadline.expired():
-            raise TimeoutError(f"timed out after {deadline.describe()} waiting for {what}")
-        await asyncio.sleep(0.25)
+    await wait_until(predicate, timeout_s, interval_s=0.25, message=what)  # stretched on a busy host
 
 
 def logged(logs: list[Path], pattern: re.Pattern[str]) -> list[tuple[int, float]]:

@@ -34,7 +34,7 @@ from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.swarm import LocalSwarm, PeerProcess
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import StageMetrics
-from ravnest_p2p.utils import StretchedDeadline
+from ravnest_p2p.utils import wait_until
 from tests.e2e._config import FAST_MEMBERSHIP_PEER_CONFIG
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -49,11 +49,7 @@ _EVALUATED = re.compile(r"\] micro-batch (\d+): held-out loss ([0-9.]+)")
 async def wait_for(
     predicate: Callable[[], Awaitable[bool]], timeout_s: float, *, what: str, interval_s: float = 0.25
 ) -> None:
-    deadline = StretchedDeadline(timeout_s)  # longer on a busy host
-    while not await predicate():
-        if deadline.expired():
-            raise TimeoutError(f"timed out after {deadline.describe()} waiting for {what}")
-        await asyncio.sleep(interval_s)
+    await wait_until(predicate, timeout_s, interval_s=interval_s, message=what)  # stretched on a busy host
 
 
 def logged_losses(peers: list[PeerProcess], pattern: re.Pattern[str]) -> list[tuple[int, float]]:

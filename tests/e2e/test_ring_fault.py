@@ -31,7 +31,7 @@ from ravnest_p2p.swarm import LocalSwarm, PeerProcess
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import StageMetrics
 from ravnest_p2p.training.replicas import FINAL_ROUND
-from ravnest_p2p.utils import StretchedDeadline
+from ravnest_p2p.utils import wait_until
 from tests.e2e._config import FAST_MEMBERSHIP_PEER_CONFIG
 
 pytestmark = pytest.mark.timeout(420)
@@ -45,11 +45,7 @@ PEER_CONFIG = FAST_MEMBERSHIP_PEER_CONFIG
 async def wait_for(
     predicate: Callable[[], Awaitable[bool]], timeout_s: float, *, what: str, interval_s: float = 0.5
 ) -> None:
-    deadline = StretchedDeadline(timeout_s)  # longer on a busy host
-    while not await predicate():
-        if deadline.expired():
-            raise TimeoutError(f"timed out after {deadline.describe()} waiting for {what}")
-        await asyncio.sleep(interval_s)
+    await wait_until(predicate, timeout_s, interval_s=interval_s, message=what)  # stretched on a busy host
 
 
 def started_rounds(log: str, epoch: int) -> set[int]:
