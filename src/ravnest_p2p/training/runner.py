@@ -132,6 +132,8 @@ class StageRunner(InPlaceMoves):
         self._epoch_start = role.data_start  # the data position when the current epoch began here
         self._batches: Iterator[tuple[Tensor, Tensor]] = iter(())  # first stage: the data still to feed
         self._taken = 0  # micro-batches taken from the data so far
+        self._exhausted: Iterator[tuple[Tensor, Tensor]] | None = None  # the data `_feed` last ran out of
+        self._finishing = False  # first stage: the data ran out, the run is closing (no move in place now)
         self.state_hook: StageStateHook | None = None
         # first stage: how long the other stages may take to serve the plan (the supervisor shortens it
         # for a retry on the same plan: a neighbour that is not back by then is not coming)
@@ -405,6 +407,19 @@ class StageRunner(InPlaceMoves):
                 self.eval_accuracy,
             )
             await self.publish_metrics()
+        while True:
+            await self._train_all(service, eval_batches)
+            # a move in place to a plan with more data for this cluster may have come as the data ran out
+            if self._batches is self._exhausted or self._should_stop():
+                break
+        self._finishing = True
+        self.eval_loss, self.eval_accuracy = await service.evaluate(eval_batches)
+        logger.info("held-out loss %.4f accuracy %.4f", self.eval_loss, self.eval_accuracy)
+        await service.finish()
+
+    async def _train_all(self, service: StageService, eval_batches: list[tuple[Tensor, Tensor]]) -> None:
+        """Feed the data until it runs out or the job stops, evaluating every `eval_every_steps`."""
+        job = self.job
         gated = self._until_stopped(self._feed())  # lazy: the pipeline never flushes to look at a stop
         chunk = job.eval_every_steps or None
         while True:
@@ -426,6 +441,3 @@ class StageRunner(InPlaceMoves):
                 self.eval_accuracy,
             )
             await self.publish_metrics()
-        self.eval_loss, self.eval_accuracy = await service.evaluate(eval_batches)
-        logger.info("held-out loss %.4f accuracy %.4f", self.eval_loss, self.eval_accuracy)
-        await service.finish()

@@ -44,6 +44,8 @@ class InPlaceMoves:
     _epoch_start: int
     _taken: int
     _batches: Iterator[tuple[Tensor, Tensor]]
+    _exhausted: Iterator[tuple[Tensor, Tensor]] | None
+    _finishing: bool
 
     def _fed(self) -> int:
         raise NotImplementedError
@@ -87,6 +89,8 @@ class InPlaceMoves:
         service, old = self.service, self.role
         if service is None:
             raise RavnestError("the stage is not running yet: nothing to rebase")
+        if self._finishing:  # its last evaluation and closing round are under way on the old plan
+            raise RavnestError("the stage already ran out of data on its plan: nothing to rebase")
         service.move_to_epoch(role.epoch)
         if self.state_hook is not None:
             await self.state_hook.rebase(role.epoch, self.state_hook.allowed | role.plan_peers)
@@ -124,6 +128,13 @@ class InPlaceMoves:
 
     def _feed(self) -> Iterator[tuple[Tensor, Tensor]]:
         """The first stage's micro-batches, from whichever data `rebase` last set."""
-        while (batch := next(self._batches, None)) is not None:
+        while True:
+            batches = self._batches
+            batch = next(batches, None)
+            if batch is None:
+                if self._batches is not batches:  # `rebase` set new data meanwhile
+                    continue
+                self._exhausted = batches
+                return
             self._taken += 1
             yield batch

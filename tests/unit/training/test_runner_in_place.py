@@ -51,16 +51,19 @@ class FakeReplicas:
 Q = [("q0", 0, 1), ("q1", 1, 3)]
 
 
+@pytest.mark.timeout(180)  # three plans' training on one event loop: minutes on a busy host
 @pytest.mark.xfail(
     strict=False,
-    reason="flaky, cause not found yet: once in the full suite the final progress view said 56 micro-batches "
-    "for epoch 3 where the new plan's last step is 104 (done=True); once (of ~15) the stages did not start "
-    "training on the in-memory transport. Passes alone.",
+    reason="once (of ~15) the stages did not start training on the in-memory transport; cause not found. "
+    "(The other failure seen, 56 micro-batches where plan 3's last step is 104, was a real race, fixed: a "
+    "move in place that came as the old plan's data ran out was lost; see test_runner_feed.py.)",
 )
 async def test_a_cluster_keeps_training_through_two_re_plans_and_finishes_the_new_plans_data(monkeypatch):
     monkeypatch.setattr("ravnest_p2p.training.runner_moves.ReplicaAverager", FakeReplicas)
     FakeReplicas.made = []
-    job = BASE.model_copy(update={"assignment": None, "num_epochs": 8, "averaging_period_steps": 4})
+    # enough data per plan that the test's moves land while there is some left (a late move is refused:
+    # test_runner_feed.py)
+    job = BASE.model_copy(update={"assignment": None, "num_epochs": 16, "averaging_period_steps": 4})
     net, dht = FakeNetwork(), FakeDHT("p0")
     plan1 = make_plan(1, P, Q, [("r0", 0, 3)])
     plan2 = make_plan(2, Q, P)  # r left; p is now cluster 1 of 2
