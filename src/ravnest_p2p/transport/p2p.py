@@ -52,6 +52,7 @@ from ravnest_p2p.transport.wire import (
     read_frame_length,
     write_frame,
 )
+from ravnest_p2p.utils.aio import load_stretch
 
 __all__ = ["HostConfig", "P2PTransport", "RawStreamHandler"]
 
@@ -186,7 +187,8 @@ class P2PTransport:
                 use_relay=config.use_relay,
                 use_auto_relay=config.use_auto_relay,
                 dht_mode="client" if config.client_mode else "server",
-                startup_timeout=config.startup_timeout_s,
+                # the daemon starts in ~1 s on an idle host, in over 20 s at a load of 45 on 2 cores
+                startup_timeout=config.startup_timeout_s * load_stretch(),
                 identity_path=identity_path,
                 check_if_identity_free=check_free,
             )
