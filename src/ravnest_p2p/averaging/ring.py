@@ -77,12 +77,21 @@ from collections.abc import Collection, Mapping
 import torch
 
 from ravnest_p2p.averaging.base import RingConfig, RingMetrics, RoundMetrics, flatten_shard, split_shard
+from ravnest_p2p.averaging.commit import fetch_result, result_slice
 from ravnest_p2p.averaging.deltawire import WireCodec
 from ravnest_p2p.averaging.early import AllowEarly, EarlySlots
 from ravnest_p2p.averaging.frames import ByteReader, ByteWriter, read_hello
-from ravnest_p2p.averaging.messages import RING_STATUS, StatusReply, StatusRequest, StreamHello
+from ravnest_p2p.averaging.messages import (
+    RING_RESULT,
+    RING_STATUS,
+    ResultReply,
+    ResultRequest,
+    StatusReply,
+    StatusRequest,
+    StreamHello,
+)
 from ravnest_p2p.averaging.partstream import AttemptFailed, receive_attempt, refuse, send_attempt
-from ravnest_p2p.averaging.reform import reform
+from ravnest_p2p.averaging.reform import NextAttempt, reform
 from ravnest_p2p.averaging.session import LinkRates, RingRefused, RingSession
 from ravnest_p2p.averaging.shards import Shard, ShardMap
 from ravnest_p2p.averaging.streams import P2PStreams, Streams
@@ -129,6 +138,7 @@ class RingAllReduce:
         self.early = EarlySlots(self.config.max_buffered_messages, allow_early)
         self._serving = False
         self._expected: ShardMap | None = None  # the map of the coming (or running) round
+        self._releases: dict[str, asyncio.TimerHandle] = {}  # held means' expiry (`commit.py`)
 
     @property
     def peer_id(self) -> str:
@@ -137,6 +147,7 @@ class RingAllReduce:
     async def start(self) -> None:
         await self._streams.serve(self._stream_name, self._on_stream)
         await self.endpoint.serve(RING_STATUS, self._on_status)
+        await self.endpoint.serve(RING_RESULT, self._on_result)
         self._serving = True
 
     async def aclose(self) -> None:
@@ -146,10 +157,14 @@ class RingAllReduce:
                 async with asyncio.timeout(_UNSERVE_TIMEOUT_S):  # a dead daemon must not hang shutdown
                     await self._streams.unserve(self._stream_name)
                     await self.endpoint.unserve(RING_STATUS)
+                    await self.endpoint.unserve(RING_RESULT)
             except TimeoutError:
                 logger.warning("ring handlers of %s not removed in %ss", self.peer_id, _UNSERVE_TIMEOUT_S)
         for session in self._sessions.values():
             session.stop_attempt()
+        for release in self._releases.values():
+            release.cancel()
+        self._releases.clear()
         self._notify()
 
     def expect(self, shard_map: ShardMap) -> None:
@@ -286,14 +301,28 @@ class RingAllReduce:
                     logger.info(
                         "ring %s round %d attempt %d failed: %s", shard.ring_id, round_index, attempt, exc
                     )
-                    if attempt + 1 >= self.config.max_attempts or time.monotonic() >= deadline:
+                    if session.complete:  # only acks were missing: the mean is here (`commit.py`)
+                        result, participants = session.average(), session.members
+                        break
+                    last = attempt + 1 >= self.config.max_attempts or time.monotonic() >= deadline
+                    # even without attempts left: a member that holds this attempt's mean commits it
+                    probe_by = max(deadline, time.monotonic() + self.config.probe_timeout_s)
+                    after = await self._reform(session, probe_by, wait_for_all and not last)
+                    if after.holders:
+                        mean = await fetch_result(self.endpoint, session, after.holders, self.config)
+                        if mean is not None:
+                            result, participants = session.adopt(mean), session.members
                         members = None
                         break
-                    attempt, members = await self._reform(session, deadline, wait_for_all)
+                    if last:
+                        members = None
+                        break
+                    attempt, members = after.attempt, after.members
         finally:
             session.finish(done=True)
             self._notify()
             await _discard(early)
+            self._linger(session)
         lost = None
         if result is None:  # no attempt completed: this round keeps the local values
             result = await flatten_shard(parts, shard.numel)
@@ -346,11 +375,18 @@ class RingAllReduce:
             raise AttemptFailed(f"cannot open a stream to {session.right}: {exc!r}") from None
         await send_attempt(session, streams, self.config)
 
-    async def _reform(
-        self, session: RingSession, deadline: float, wait_for_all: bool
-    ) -> tuple[int, tuple[str, ...] | None]:
-        """After a failed attempt: probe the members; return the next (attempt, members) or None."""
+    async def _reform(self, session: RingSession, deadline: float, wait_for_all: bool) -> NextAttempt:
+        """After a failed attempt: probe the members; who holds its mean, or the next attempt."""
         return await reform(self.endpoint, session, self.config, deadline, wait_for_all=wait_for_all)
+
+    def _linger(self, session: RingSession) -> None:
+        """Keep a held mean for the members still fetching it (`commit.py`), at most a round deadline."""
+        previous = self._releases.pop(session.ring_id, None)
+        if previous is not None:
+            previous.cancel()
+        if session.result is not None:
+            loop = asyncio.get_running_loop()
+            self._releases[session.ring_id] = loop.call_later(self.config.round_timeout_s, session.release)
 
     # ----- serving -------------------------------------------------------------------------------
     def _notify(self) -> None:
@@ -422,8 +458,18 @@ class RingAllReduce:
             session.stop_attempt()  # the prober's attempt failed, so ours cannot complete either
             self._notify()
         return StatusReply(
-            alive=True, attempt=max(session.attempt, 0), done=session.done, members=list(session.members)
+            alive=True,
+            attempt=max(session.attempt, 0),
+            done=session.done,
+            members=list(session.members),
+            holds=session.holds,
         )
+
+    async def _on_result(
+        self, req: ResultRequest, tensors: list[torch.Tensor], ctx: CallContext
+    ) -> ResultReply | tuple[ResultReply, list[torch.Tensor]]:
+        mean = result_slice(self._sessions.get(req.ring_id), req, ctx.remote_peer_id)
+        return ResultReply(available=False) if mean is None else (ResultReply(available=True), [mean])
 
     def _behind(self, req: StatusRequest, prober: str) -> bool:
         """Whether this member has not reached `req`'s round of a ring it expects with the prober in it."""
