@@ -20,6 +20,7 @@ copies take), not the machine's speed. The load average is recorded beside each 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
@@ -46,9 +47,9 @@ def _job(steps: int) -> JobSpec:
         model="char_gpt",
         model_params={"block_size": 64, "num_layers": NUM_LAYERS, "embed_dim": 128, "num_heads": 4},
         dataset="char_corpus",
-        dataset_config={"block_size": 64, "max_eval_samples": 32},  # eval is compute, not training
+        dataset_config={"block_size": 64, "max_eval_samples": 32},  # eval counts as compute: keep it tiny
         batch_size=16,
-        num_epochs=1,
+        num_epochs=3,  # a cluster's quarter of the corpus is ~103 batches of 16 x 64
         max_steps=steps,
         seed=0,
         optimizer=OptimizerConfig(name="adamw", lr=1e-3),
@@ -78,11 +79,13 @@ def _row(mode: str, result: dict[str, Any], load: float) -> dict[str, Any]:
     }
 
 
-def measure(steps: int, order: list[str]) -> list[dict[str, Any]]:
+def measure(steps: int, order: list[str], keep: str | None = None) -> list[dict[str, Any]]:
     job = _job(steps)
     split = [(0, NUM_LAYERS + 2)]  # embedding, blocks, head: the whole model on one stage
     started_load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="ravnest-outer2-") as tmp:
+    kept = None if keep is None else tempfile.mkdtemp(prefix="ravnest-outer2-", dir=keep)
+    workdir = contextlib.nullcontext(kept) if kept else tempfile.TemporaryDirectory(prefix="ravnest-outer2-")
+    with workdir as tmp:
         results = run_jobs(
             num_peers=NUM_CLUSTERS,
             link_mbps=LINK_MBPS,
@@ -122,12 +125,13 @@ def main(quick: bool = False) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60 if quick else 300)
     parser.add_argument("--order", default="none,periodic,outer,outer,periodic,none")
+    parser.add_argument("--keep", help="keep the peers' logs in a new directory under this one")
     args, _ = parser.parse_known_args()
     if os.geteuid() != 0:
         print("bench_utilisation needs root (network namespaces); skipped", flush=True)
         return
     started = time.monotonic()
-    rows = measure(args.steps, args.order.split(","))
+    rows = measure(args.steps, args.order.split(","), args.keep)
     summary = []
     for mode in dict.fromkeys(r["mode"] for r in rows):
         mine = [r for r in rows if r["mode"] == mode]

@@ -70,12 +70,13 @@ from ravnest_p2p.averaging.session import LinkRates
 from ravnest_p2p.averaging.shards import ShardMap
 from ravnest_p2p.utils.aio import run_in_compute_thread
 
-__all__ = ["OUTER_PREFIX", "OuterAverager", "OuterOptimizer", "OuterOptimizerConfig"]
+__all__ = ["OUTER_PREFIX", "OUTER_SLOTS", "OuterAverager", "OuterOptimizer", "OuterOptimizerConfig"]
 
 logger = logging.getLogger(__name__)
 
 OUTER_PREFIX = "outer/"
-_SLOTS = ("theta", "momentum", "residual")
+OUTER_SLOTS = ("theta", "momentum", "residual")
+_SLOTS = OUTER_SLOTS
 
 
 class OuterOptimizerConfig(BaseModel):
@@ -262,13 +263,16 @@ class OuterOptimizer:
         return out
 
     # ----- moving with the stage state -----------------------------------------------------------
-    def export_state(self, names: Collection[str] | None = None) -> dict[str, Tensor]:
-        """Copies of the outer state as ``outer/<name>/<slot>`` (slots: theta, momentum, residual)."""
+    def export_state(self, names: Collection[str] | None = None, *, copy: bool = True) -> dict[str, Tensor]:
+        """The outer state as ``outer/<name>/<slot>`` (slots: theta, momentum, residual).
+
+        `copy` False: the live tensors (a sync replaces the anchor and updates the momentum in place).
+        """
         out = {}
         for slot, table in zip(_SLOTS, (self.theta, self.momentum, self.residual), strict=True):
             for name, value in table.items():
                 if names is None or name in names:  # buffers' anchors too (a Δ codec gives them one)
-                    out[f"{OUTER_PREFIX}{name}/{slot}"] = value.clone()
+                    out[f"{OUTER_PREFIX}{name}/{slot}"] = value.clone() if copy else value
         return out
 
     def import_state(self, tensors: Mapping[str, Tensor], *, shapes: Mapping[str, torch.Size]) -> None:

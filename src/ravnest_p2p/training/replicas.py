@@ -268,9 +268,13 @@ class ReplicaAverager:
     def bytes_sent(self) -> int:
         return sum(r.bytes_sent for r in self.rounds)
 
-    def export_outer_state(self) -> dict[str, torch.Tensor]:
-        """The outer optimizer's state by ``outer/<name>/<slot>`` (empty without one), for a re-plan."""
-        return {} if self.outer is None else self.outer.export_state()
+    def export_outer_state(self, *, copy: bool = True) -> dict[str, torch.Tensor]:
+        """The outer optimizer's state by ``outer/<name>/<slot>`` (empty without one), for a re-plan.
+
+        `copy` False: the live tensors (`stage_state.live_tensors`, whose readers copy or check versions:
+        every sync also writes the parameters, so a hand-over notices it).
+        """
+        return {} if self.outer is None else self.outer.export_state(copy=copy)
 
     def import_outer_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Take outer state exported by this layer range's previous owner(s); call before `start`.
