@@ -188,7 +188,7 @@ class RingAllReduce:
         round_index: int,
         link_rates: LinkRates | None = None,
         wait_for_all: bool = False,
-        wire: WireCodec | None = None,
+        wire: WireCodec | Mapping[str, WireCodec | None] | None = None,
         errors: dict[str, torch.Tensor] | None = None,
         ring_ids: Collection[str] | None = None,
     ) -> tuple[dict[str, torch.Tensor], RoundMetrics]:
@@ -207,6 +207,7 @@ class RingAllReduce:
                 out of the next attempt. For a closing round, after which the replicas must agree.
             wire: the parts carry encoded Δ (`deltawire.py`) instead of `config.compression`; every
                 member of a ring must pass the same codec (streams say which; others are refused).
+                A mapping gives each ring id its own (missing or None: `config.compression`).
             errors: with a lossy `wire`, filled with what this member's encodings dropped, by name, in
                 sum units (x ring size of the mean), for the rings that averaged: error feedback.
             ring_ids: average only these of my rings (a staggered sync's fragment); None = all.
@@ -228,7 +229,15 @@ class RingAllReduce:
                     raise ValueError(f"{name!r}: missing or not {numel} elements")
         results = await asyncio.gather(
             *(
-                self._run_ring(shard_map.epoch, shard, tensors, round_index, rates, wait_for_all, wire)
+                self._run_ring(
+                    shard_map.epoch,
+                    shard,
+                    tensors,
+                    round_index,
+                    rates,
+                    wait_for_all,
+                    wire.get(shard.ring_id) if isinstance(wire, Mapping) else wire,
+                )
                 for shard in shards
             )
         )
