@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -63,7 +64,28 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def _row(mode: str, result: dict[str, Any], load: float) -> dict[str, Any]:
+_ROUND = re.compile(r"averaging round (\d+) finished in [0-9.]+s with (\d+) of (\d+) replicas")
+_JOB = re.compile(r"job (\S+): stage \d+ of")
+
+
+def _participation(workdir: Path) -> dict[str, tuple[int, int]]:
+    """Job id -> (rounds every replica joined, rounds), over every peer's log (closing rounds left out)."""
+    out: dict[str, list[int]] = {}
+    for log in workdir.glob("peer*.log"):
+        job = None
+        for line in log.read_text(errors="replace").splitlines():
+            if (started := _JOB.search(line)) is not None:
+                job = started.group(1)
+            elif (
+                job is not None and (done := _ROUND.search(line)) is not None and int(done.group(1)) < 1 << 40
+            ):
+                counts = out.setdefault(job, [0, 0])
+                counts[0] += done.group(2) == done.group(3)
+                counts[1] += 1
+    return {job: (full, total) for job, (full, total) in out.items()}
+
+
+def _row(mode: str, result: dict[str, Any], load: float, rounds: tuple[int, int]) -> dict[str, Any]:
     metrics = result["metrics"]
     utils = [m["compute_s"] / max(m["train_wall_s"], 1e-9) for m in metrics]
     return {
@@ -74,6 +96,8 @@ def _row(mode: str, result: dict[str, Any], load: float) -> dict[str, Any]:
         "wall_s": max(m["train_wall_s"] for m in metrics),
         "steps": min(m["step"] for m in metrics),
         "rounds": min(m["averaging_rounds"] for m in metrics),
+        # periodic rounds (peer-rounds over all peers) in which all replicas averaged, of those started
+        "rounds_all_replicas": f"{rounds[0]}/{rounds[1]}",
         "averaging_mb_sent_per_peer": sum(m["averaging_bytes_sent"] for m in metrics) / len(metrics) / 1e6,
         "load_1min": load,
     }
@@ -98,8 +122,12 @@ def measure(steps: int, order: list[str], keep: str | None = None) -> list[dict[
             run_id="outer2util",
             prefix="outer2" + os.urandom(1).hex(),
         )
+        rounds = _participation(Path(tmp))
     load = (started_load + os.getloadavg()[0]) / 2  # the runs' own rows carry no load: the lab's average
-    return [_row(m, r, load) for m, r in zip(order, results, strict=True)]
+    return [
+        _row(m, r, load, rounds.get(r["metrics"][0]["job_id"], (0, 0)))
+        for m, r in zip(order, results, strict=True)
+    ]
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -121,6 +149,51 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def write_results(rows: list[dict[str, Any]], *, steps: int, order: str, took_s: float) -> None:
+    """outer_lab.{json,md,png}: per mode, then every run in order (with its load)."""
+    summary = []
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode]
+        full = [tuple(map(int, r["rounds_all_replicas"].split("/"))) for r in mine]
+        summary.append(
+            {
+                "mode": mode,
+                "runs": len(mine),
+                "utilisation_min": min(r["utilisation_min"] for r in mine),
+                "utilisation_mean": sum(r["utilisation_mean"] for r in mine) / len(mine),
+                "rounds_all_replicas": f"{sum(f for f, _ in full)}/{sum(t for _, t in full)}",
+                "averaging_mb_sent_per_peer": sum(r["averaging_mb_sent_per_peer"] for r in mine) / len(mine),
+            }
+        )
+    json_path = record(
+        "outer_lab",
+        summary,
+        notes=(
+            f"{NUM_CLUSTERS} clusters x 1 stage of char-GPT ({NUM_LAYERS} blocks, width 128, 0.83 M "
+            f"parameters), lab namespaces, htb {LINK_MBPS:g} Mbit/s per peer up and down, equal cgroup CPU "
+            f"caps (1.8 CPUs in all), batch 16 x 64 tokens, {steps} micro-batches per run. Utilisation = "
+            "compute_s (forward, backward, optimizer step, timed on the compute thread; plus a 32-sample "
+            "evaluation at the end) / train_wall_s, per peer; runs interleaved in one lab "
+            f"({order}); periodic: plain averaging every {PERIOD} steps; outer: DiLoCo every {H} steps, "
+            f"{CODEC} Δ. rounds_all_replicas: peer-rounds (closing round excluded) in which all "
+            f"{NUM_CLUSTERS} replicas averaged, of those started (from the peers' logs). Goal: outer >= 0.9. "
+            f"Took {took_s:.0f} s."
+        ),
+    )
+    payload = json.loads(json_path.read_text())
+    payload["runs"] = rows  # every run, in order, with its per-peer ratios and the load
+    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    lines = ["", "| run | mode | per peer | wall_s | rounds all replicas | load_1min |", "|---" * 6 + "|"]
+    for i, r in enumerate(rows):
+        peers = " ".join(f"{u:.3f}" for u in r["per_peer"])
+        cells = [i, r["mode"], peers, f"{r['wall_s']:.1f}", r["rounds_all_replicas"], f"{r['load_1min']:.1f}"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    md = json_path.with_suffix(".md")
+    md.write_text(md.read_text() + "\n".join(lines) + "\n")
+    _plot(rows, RESULTS_DIR / "outer_lab.png")
+    print(json.dumps(summary, indent=1), flush=True)
+
+
 def main(quick: bool = False) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60 if quick else 300)
@@ -132,46 +205,7 @@ def main(quick: bool = False) -> None:
         return
     started = time.monotonic()
     rows = measure(args.steps, args.order.split(","), args.keep)
-    summary = []
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        mine = [r for r in rows if r["mode"] == mode]
-        summary.append(
-            {
-                "mode": mode,
-                "runs": len(mine),
-                "utilisation_min": min(r["utilisation_min"] for r in mine),
-                "utilisation_mean": sum(r["utilisation_mean"] for r in mine) / len(mine),
-                "rounds": min(r["rounds"] for r in mine),
-                "averaging_mb_sent_per_peer": sum(r["averaging_mb_sent_per_peer"] for r in mine) / len(mine),
-            }
-        )
-    json_path = record(
-        "outer_lab",
-        summary,
-        notes=(
-            f"{NUM_CLUSTERS} clusters x 1 stage of char-GPT ({NUM_LAYERS} blocks, width 128, 0.83 M "
-            "parameters), "
-            f"lab namespaces, htb {LINK_MBPS:g} Mbit/s per peer up and down, equal cgroup CPU caps (1.8 CPUs "
-            f"in all), batch 16 x 64 tokens, {args.steps} micro-batches per run. Utilisation = compute_s "
-            "(forward, backward, optimizer step) / train_wall_s, per peer; runs interleaved in one lab "
-            f"({args.order}); periodic: plain averaging every {PERIOD} steps; outer: DiLoCo every {H} steps, "
-            f"{CODEC} Δ. Goal: outer >= 0.9. Load average during the runs in the JSON rows (`runs`). "
-            f"Took {time.monotonic() - started:.0f} s."
-        ),
-    )
-    payload = json.loads(json_path.read_text())
-    payload["runs"] = rows  # every run, in order, with its per-peer ratios and the load
-    json_path.write_text(json.dumps(payload, indent=2) + "\n")
-    lines = ["", "| run | mode | per peer | wall_s | rounds | load_1min |", "|---|---|---|---|---|---|"]
-    for i, r in enumerate(rows):
-        peers = " ".join(f"{u:.3f}" for u in r["per_peer"])
-        lines.append(
-            f"| {i} | {r['mode']} | {peers} | {r['wall_s']:.1f} | {r['rounds']} | {r['load_1min']:.1f} |"
-        )
-    md = json_path.with_suffix(".md")
-    md.write_text(md.read_text() + "\n".join(lines) + "\n")
-    _plot(rows, RESULTS_DIR / "outer_lab.png")
-    print(json.dumps(summary, indent=1), flush=True)
+    write_results(rows, steps=args.steps, order=args.order, took_s=time.monotonic() - started)
 
 
 if __name__ == "__main__":

@@ -40,16 +40,18 @@ never stepped with momentum (an overshoot could make a running variance negative
 Faults (the rule the docs state). A shard whose ring did not average this round (this owner was alone:
 its partners died, or it was late) takes no outer step: θ_outer, momentum and residual stay as they
 were, and θ_local is not reset, so the progress it made is in its next Δ (applied at the next sync it
-joins). A ring that completed without some member applies the step of the members that completed; the
-member left out then holds an older anchor than the others. Its anchor re-converges (the difference
-contracts by ~0.5 per sync at lr 0.7, μ 0.9) but is not bit-identical again until a state transfer.
+joins). Every survivor of a ring attempt applies the same mean or none does (the ring's commit rule,
+`commit.py`). A member the others left out (late, or cut off) then holds an older anchor than they do;
+it re-converges (the difference contracts by ~0.5 per sync at lr 0.7, μ 0.9) but is not bit-identical
+again until a state transfer.
 The closing round (`wait_for_all`) is therefore a plain average of θ_local, as without an outer
 optimizer: the replicas end training identical.
 
 Re-plan. The state is keyed by global parameter name, like `training/stage_state.py`: `export_state`
 gives ``outer/<name>/<slot>`` tensors, `import_state` takes them (any subset; a new owner of some layers
-takes those layers' entries from their old owners). A name with no imported anchor starts from the
-stage's weights when the averager starts.
+takes those layers' entries from their old owners). The hand-over and the checkpoints carry them with
+the stage (`stage_state.attach_extra_state`); a name with no imported anchor starts from the stage's
+weights when the averager starts. Codec per ring: `codec_choice.py`.
 """
 
 from __future__ import annotations

@@ -60,10 +60,13 @@ survivor to agree on which parts of the dead member were already folded in, i.e.
 restarting costs one more pass over the shard only when someone fails. hivemind's averager forms groups
 by DHT matchmaking and splits by peer bandwidth; our rings are fixed by the plan and need no matchmaking.
 
-Limits. A member that completed an attempt while its successor failed on the last step keeps that
-average while the others form a new attempt without it: replicas then differ by one round's averaging
-until the next round. Probes decide liveness, not speed: a member that answers probes but moves slower
-than the step deadline is dropped only after its attempt fails `max_attempts` times.
+Commit (`commit.py`). An attempt's mean counts as soon as one member holds it whole: a member whose
+attempt failed with every part in hand (only its neighbour's acks missing) applies it, and one that
+lacks it fetches it from a holder its probe finds, instead of forming the next attempt; so every
+survivor applies the same mean.
+
+Limits. Probes decide liveness, not speed: a member that answers probes but moves slower than the step
+deadline is dropped only after its attempt fails `max_attempts` times.
 """
 
 from __future__ import annotations
