@@ -31,8 +31,12 @@ The probe that reports `holds` is also what stops a member still running the att
 answer is final: after a probe stopped it, it can no longer become a holder. Why the whole mean and not
 resuming the next attempt from partial sums: see `ring.py` ("Alternatives rejected").
 
+Memory: a holder keeps the mean (a copy of the shard: the averaged tensors handed out are views of
+it) until this ring's next round starts there, at most three step deadlines (`RingAllReduce._linger`).
+
 Limits. A holder that dies between answering a probe and serving the fetch: the fetcher tries the other
-holders, then keeps its own values for the round (a second fault in the same window). A member that a
+holders, then keeps its own values for the round (a second fault in the same window); so does a fetch
+that outlasts the holder's three step deadlines (a very large shard on a slow link). A member that a
 probe could not reach but that is alive and holds the mean applies it while the others form a new
 attempt without it (a partition, not a crash): its replica then differs by that round until the next
 sync that includes it; the closing round is a plain average, so replicas still end identical.

@@ -295,6 +295,7 @@ class RingAllReduce:
         )
         try:
             values = await flatten_shard(parts, shard.numel)
+            self._release(shard.ring_id)  # the previous round's mean: its members have moved on
             self._sessions[shard.ring_id] = session
             self._notify()
             while members is not None and len(members) >= 2:
@@ -391,14 +392,26 @@ class RingAllReduce:
         """After a failed attempt: probe the members; who holds its mean, or the next attempt."""
         return await reform(self.endpoint, session, self.config, deadline, wait_for_all=wait_for_all)
 
+    def _release(self, ring_id: str) -> None:
+        """Drop the mean held for `ring_id`'s previous round (memory: a copy of the shard)."""
+        handle = self._releases.pop(ring_id, None)
+        if handle is not None:
+            handle.cancel()
+        previous = self._sessions.get(ring_id)
+        if previous is not None:
+            previous.release()
+
     def _linger(self, session: RingSession) -> None:
-        """Keep a held mean for the members still fetching it (`commit.py`), at most a round deadline."""
+        """Keep a held mean for the members still fetching it (`commit.py`): until this ring's next
+        round starts here, at most three step deadlines."""
         previous = self._releases.pop(session.ring_id, None)
         if previous is not None:
             previous.cancel()
         if session.result is not None:
             loop = asyncio.get_running_loop()
-            self._releases[session.ring_id] = loop.call_later(self.config.round_timeout_s, session.release)
+            # a member still in the attempt notices its failure within a step deadline, probes, fetches
+            linger_s = min(self.config.round_timeout_s, 3 * self.config.step_timeout_s)
+            self._releases[session.ring_id] = loop.call_later(linger_s, session.release)
 
     # ----- serving -------------------------------------------------------------------------------
     def _notify(self) -> None:
