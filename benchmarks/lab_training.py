@@ -34,17 +34,24 @@ def run_jobs(
     workdir: Path,
     cpus: float = 1.8,
     timeout_s: float = 1200,
+    run_id: str = "labtrain",
+    prefix: str | None = None,
+    updates: Sequence[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Start the lab, train `runs` (`pipeline_driver --runs`) on clusters of len(split) peers; tear down."""
+    """Start the lab, train `runs` (`pipeline_driver --runs`) on clusters of len(split) peers; tear down.
+
+    `prefix`: the lab's namespace prefix (at most 8 characters; default "rvl" + 4 random hex digits);
+    `updates`: per run, JobSpec fields to set (`pipeline_driver --updates`).
+    """
     peers = [
         {"name": f"s{i}", "upload_mbps": link_mbps, "download_mbps": link_mbps} for i in range(num_peers)
     ]
     profile = parse_profile(
-        {"run_id": "labtrain", "shaping": "htb", "peers": [*peers, {"name": "researcher"}]}, source="bench"
+        {"run_id": run_id, "shaping": "htb", "peers": [*peers, {"name": "researcher"}]}, source="bench"
     )
     ids = [load_or_create_identity(workdir / f"id{i}.key") for i in range(num_peers)]
     base_cpus = base_cpus_to_fit([1.0] * num_peers, num_cpus=cpus)
-    with NetnsLab(profile, prefix="rvl" + os.urandom(2).hex()) as lab:
+    with NetnsLab(profile, prefix=prefix or "rvl" + os.urandom(2).hex()) as lab:
         throttles = []
         maddrs = [f"/ip4/{lab.address_of(i)}/tcp/{PORT}/p2p/{ids[i].peer_id}" for i in range(num_peers)]
         try:
@@ -53,7 +60,7 @@ def run_jobs(
                 throttle.create()
                 throttles.append(throttle)
                 addr = f"/ip4/{lab.address_of(i)}/tcp/{PORT}"
-                argv = [sys.executable, "-m", "ravnest_p2p.peer", "--run-id", "labtrain"]
+                argv = [sys.executable, "-m", "ravnest_p2p.peer", "--run-id", run_id]
                 argv += [
                     "--identity-path",
                     str(ids[i].path),
@@ -74,9 +81,11 @@ def run_jobs(
                     )
             out = workdir / "driver.json"
             argv = [sys.executable, "-m", "benchmarks.pipeline_driver", "--initial-peers", maddrs[0]]
-            argv += ["--run-id", "labtrain", "--stage-peers", *[i.peer_id for i in ids]]
+            argv += ["--run-id", run_id, "--stage-peers", *[i.peer_id for i in ids]]
             argv += ["--split", json.dumps(list(split)), "--job", job.model_dump_json(), "--out", str(out)]
             argv += ["--timeout-s", str(timeout_s), "--runs", *runs]
+            if updates is not None:
+                argv += ["--updates", json.dumps(list(updates))]
             driver = lab.run_in_ns(num_peers, argv, log_path=workdir / "driver.log", cwd=str(REPO))
             poll_until(lambda: driver.poll() is not None, timeout_s + 120, what="the driver", interval_s=1)
             if driver.returncode != 0:

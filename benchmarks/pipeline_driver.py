@@ -45,6 +45,9 @@ async def run(args: argparse.Namespace) -> list[dict]:
             if schedule == "gpipe":
                 update["update_every"] = int(window)  # GPipe: one optimizer step per fill-drain
             job = base.model_copy(update=update)
+            if args.updates:  # validated: e.g. an outer_optimizer given as a dict
+                extra = json.loads(args.updates)[index]
+                job = JobSpec.model_validate({**job.model_dump(), **extra, "job_id": f"{job.job_id}-{index}"})
             await client.publish_job(job)
             final = await client.wait_for_job(job, timeout_s=args.timeout_s, poll_s=1.0)
             results.append(
@@ -71,6 +74,7 @@ def main() -> None:
         required=True,
         help="schedule:window[:averaging period], e.g. async_1f1b:7 async_1f1b:auto gpipe:7",
     )
+    parser.add_argument("--updates", help="JSON list, per run: JobSpec fields to set (validated)")
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

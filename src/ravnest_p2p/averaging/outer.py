@@ -40,16 +40,18 @@ never stepped with momentum (an overshoot could make a running variance negative
 Faults (the rule the docs state). A shard whose ring did not average this round (this owner was alone:
 its partners died, or it was late) takes no outer step: θ_outer, momentum and residual stay as they
 were, and θ_local is not reset, so the progress it made is in its next Δ (applied at the next sync it
-joins). A ring that completed without some member applies the step of the members that completed; the
-member left out then holds an older anchor than the others. Its anchor re-converges (the difference
-contracts by ~0.5 per sync at lr 0.7, μ 0.9) but is not bit-identical again until a state transfer.
+joins). Every survivor of a ring attempt applies the same mean or none does (the ring's commit rule,
+`commit.py`). A member the others left out (late, or cut off) then holds an older anchor than they do;
+it re-converges (the difference contracts by ~0.5 per sync at lr 0.7, μ 0.9) but is not bit-identical
+again until a state transfer.
 The closing round (`wait_for_all`) is therefore a plain average of θ_local, as without an outer
 optimizer: the replicas end training identical.
 
 Re-plan. The state is keyed by global parameter name, like `training/stage_state.py`: `export_state`
 gives ``outer/<name>/<slot>`` tensors, `import_state` takes them (any subset; a new owner of some layers
-takes those layers' entries from their old owners). A name with no imported anchor starts from the
-stage's weights when the averager starts.
+takes those layers' entries from their old owners). The hand-over and the checkpoints carry them with
+the stage (`stage_state.attach_extra_state`); a name with no imported anchor starts from the stage's
+weights when the averager starts. Codec per ring: `codec_choice.py`.
 """
 
 from __future__ import annotations
@@ -58,10 +60,11 @@ import logging
 from collections.abc import Callable, Collection, Mapping
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
 from ravnest_p2p.averaging.base import RoundMetrics
+from ravnest_p2p.averaging.codec_choice import codec_for_rate, ring_rate_mbps
 from ravnest_p2p.averaging.deltawire import WireCodec
 from ravnest_p2p.averaging.overlap import Averager, AveragerConfig, ReadFn, WriteFn
 from ravnest_p2p.averaging.pseudograd import DeltaCompression, compress, encoded_bytes
@@ -70,12 +73,13 @@ from ravnest_p2p.averaging.session import LinkRates
 from ravnest_p2p.averaging.shards import ShardMap
 from ravnest_p2p.utils.aio import run_in_compute_thread
 
-__all__ = ["OUTER_PREFIX", "OuterAverager", "OuterOptimizer", "OuterOptimizerConfig"]
+__all__ = ["OUTER_PREFIX", "OUTER_SLOTS", "OuterAverager", "OuterOptimizer", "OuterOptimizerConfig"]
 
 logger = logging.getLogger(__name__)
 
 OUTER_PREFIX = "outer/"
-_SLOTS = ("theta", "momentum", "residual")
+OUTER_SLOTS = ("theta", "momentum", "residual")
+_SLOTS = OUTER_SLOTS
 
 
 class OuterOptimizerConfig(BaseModel):
@@ -91,6 +95,9 @@ class OuterOptimizerConfig(BaseModel):
         error_feedback: keep what compression drops and add it to the next Δ.
         num_fragments: staggered syncs (Streaming DiLoCo, `stagger.py`): the shards are split into
             this many fragments, each syncing every H steps, one every H / num_fragments steps.
+        codec_by_link_mbps: (below_mbps, codec) rows, rates increasing: a ring whose slowest link is
+            below a row's rate uses the first such row's codec instead of `compression`
+            (`codec_choice.py`; needs the agreed plan's link rates).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
@@ -103,6 +110,19 @@ class OuterOptimizerConfig(BaseModel):
     topk_fraction: float = Field(default=0.01, gt=0, le=1)
     error_feedback: bool = True
     num_fragments: int = Field(default=1, ge=1, le=64)
+    codec_by_link_mbps: tuple[tuple[float, DeltaCompression], ...] = Field(default=(), max_length=8)
+
+    @model_validator(mode="after")
+    def _rates_increase(self) -> OuterOptimizerConfig:
+        rates = [rate for rate, _ in self.codec_by_link_mbps]
+        if any(r <= 0 for r in rates) or rates != sorted(set(rates)):
+            raise ValueError("codec_by_link_mbps: rates must be positive and strictly increasing")
+        return self
+
+    @property
+    def kinds(self) -> frozenset[DeltaCompression]:
+        """Every codec a ring of this job may use."""
+        return frozenset({self.compression, *(codec for _, codec in self.codec_by_link_mbps)})
 
 
 class OuterOptimizer:
@@ -125,8 +145,11 @@ class OuterOptimizer:
     @property
     def wire(self) -> WireCodec | None:
         """The ring's Δ codec when Δ is compressed (the rings then carry encoded Δ, not P)."""
-        c = self.config
-        return None if c.compression is DeltaCompression.NONE else WireCodec(c.compression, c.chunk_numel)
+        return self.wire_of(self.config.compression)
+
+    def wire_of(self, kind: DeltaCompression) -> WireCodec | None:
+        """The ring codec of `kind` (None: uncompressed, the rings carry P)."""
+        return None if kind is DeltaCompression.NONE else WireCodec(kind, self.config.chunk_numel)
 
     def initialise(self, named: Mapping[str, Tensor]) -> None:
         """Anchor every name that has none yet at its current value (the start of training).
@@ -134,14 +157,19 @@ class OuterOptimizer:
         With a wire codec, buffers get an anchor too: the ring carries only Δ, so a buffer travels as
         the difference from its last average (shared by all replicas) and is reset to anchor - mean.
         """
-        wire = self.wire is not None
+        wire = self.config.kinds != {DeltaCompression.NONE}  # some ring may carry Δ
         for name, value in named.items():
             if (wire or name not in self.plain) and value.is_floating_point() and name not in self.theta:
                 self.theta[name] = value.detach().to(torch.float32).clone()
 
-    def outgoing(self, snapshot: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """The proposals P = θ_outer - Δ̂ to average, one per name of `snapshot`."""
+    def outgoing(
+        self, snapshot: Mapping[str, Tensor], kind: DeltaCompression | None = None
+    ) -> dict[str, Tensor]:
+        """The proposals P = θ_outer - Δ̂ to average, one per name of `snapshot` (`kind`: as
+        `outgoing_deltas`; compressed here only in process, without a ring codec)."""
         c = self.config
+        if kind is not None:
+            c = c.model_copy(update={"compression": kind})
         out: dict[str, Tensor] = {}
         self.payload_bytes = 0
         for name in snapshot:  # only these names: another fragment's sync may be running
@@ -180,6 +208,8 @@ class OuterOptimizer:
         out: dict[str, Tensor] = {}
         for name, mean in averaged.items():
             if name in self.plain or name not in self.theta:
+                if name in self.theta:  # a buffer's anchor (for syncs under a Δ codec): the average
+                    self.theta[name] = mean.detach().to(torch.float32).clone()
                 out[name] = mean
                 continue
             p_bar = mean.to(torch.float32)
@@ -201,13 +231,18 @@ class OuterOptimizer:
         return out
 
     # ----- Δ on the wire (`deltawire.py`) ------------------------------------------------------
-    def outgoing_deltas(self, snapshot: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    def outgoing_deltas(
+        self, snapshot: Mapping[str, Tensor], kind: DeltaCompression | None = None
+    ) -> dict[str, Tensor]:
         """What the rings average with `wire`: c = Δ + residual per name (top-k: its kept entries).
 
         int8/int4: the ring itself quantises (and reports its roundings for the next residual, see
-        `step_deltas`); top-k: chosen here, the ring sums the sparse parts exactly.
+        `step_deltas`); top-k: chosen here, the ring sums the sparse parts exactly. `kind`: the codec
+        of these names' rings (default: the job's `compression`).
         """
         c = self.config
+        if kind is not None:
+            c = c.model_copy(update={"compression": kind})
         out: dict[str, Tensor] = {}
         self.payload_bytes = 0
         for name in snapshot:  # only these names: another fragment's sync may be running
@@ -262,13 +297,16 @@ class OuterOptimizer:
         return out
 
     # ----- moving with the stage state -----------------------------------------------------------
-    def export_state(self, names: Collection[str] | None = None) -> dict[str, Tensor]:
-        """Copies of the outer state as ``outer/<name>/<slot>`` (slots: theta, momentum, residual)."""
+    def export_state(self, names: Collection[str] | None = None, *, copy: bool = True) -> dict[str, Tensor]:
+        """The outer state as ``outer/<name>/<slot>`` (slots: theta, momentum, residual).
+
+        `copy` False: the live tensors (a sync replaces the anchor and updates the momentum in place).
+        """
         out = {}
         for slot, table in zip(_SLOTS, (self.theta, self.momentum, self.residual), strict=True):
             for name, value in table.items():
                 if names is None or name in names:  # buffers' anchors too (a Δ codec gives them one)
-                    out[f"{OUTER_PREFIX}{name}/{slot}"] = value.clone()
+                    out[f"{OUTER_PREFIX}{name}/{slot}"] = value.clone() if copy else value
         return out
 
     def import_state(self, tensors: Mapping[str, Tensor], *, shapes: Mapping[str, torch.Size]) -> None:
@@ -322,6 +360,7 @@ class OuterAverager(Averager):
         self.outer = outer
         self._closing = False
         self._lost: dict[str, Tensor] = {}
+        self._kind_of: dict[str, DeltaCompression] = {}  # name -> its ring's codec in the latest sync
         self.payload_bytes: list[int] = []  # per round: the encoded pseudo-gradients' size
 
     async def run_round(
@@ -338,6 +377,15 @@ class OuterAverager(Averager):
         finally:
             self._closing = False
 
+    def _ring_kinds(self, shard_map: ShardMap) -> dict[str, DeltaCompression]:
+        """Ring id -> its codec this sync (`codec_choice.py`; the job's `compression` without a table)."""
+        c = self.outer.config
+        rates = None if self._link_rates is None or not c.codec_by_link_mbps else self._link_rates()
+        return {
+            s.ring_id: codec_for_rate(c.codec_by_link_mbps, ring_rate_mbps(s.ring, rates), c.compression)
+            for s in shard_map.shards_of(self.rings.peer_id)
+        }
+
     async def _all_reduce(
         self,
         shard_map: ShardMap,
@@ -347,7 +395,8 @@ class OuterAverager(Averager):
         wait_for_all: bool,
         ring_ids: Collection[str],
     ) -> tuple[dict[str, Tensor], RoundMetrics]:
-        wire = None if self._closing else self.outer.wire
+        kinds = self._ring_kinds(shard_map)
+        wire = None if self._closing else {r: self.outer.wire_of(k) for r, k in kinds.items()}
         return await self.rings.all_reduce(
             shard_map,
             outgoing,
@@ -359,22 +408,55 @@ class OuterAverager(Averager):
             errors=self._lost,
         )
 
+    def _by_kind(self, names: Collection[str]) -> dict[DeltaCompression, list[str]]:
+        groups: dict[DeltaCompression, list[str]] = {}
+        for name in names:
+            groups.setdefault(self._kind_of.get(name, self.outer.config.compression), []).append(name)
+        return groups
+
     async def _outgoing(self, snapshot: dict[str, Tensor]) -> Mapping[str, Tensor]:
         if self._closing:
             return snapshot
         outer = self.outer
-        outgoing = outer.outgoing if outer.wire is None else outer.outgoing_deltas
-        for name in snapshot:  # the names of this sync only: fragments' syncs may overlap
+        shard_map = self._shard_map()
+        if shard_map is not None:  # the names of this sync only: fragments' syncs may overlap
+            kinds = self._ring_kinds(shard_map)
+            for shard in shard_map.shards_of(self.rings.peer_id):
+                mine = (n for n in shard.names if n in snapshot)
+                self._kind_of.update(dict.fromkeys(mine, kinds[shard.ring_id]))
+        for name in snapshot:
             self._lost.pop(name, None)
-        # the bytes read on the compute thread with the call: another fragment's cannot come between
-        out, nbytes = await run_in_compute_thread(lambda: (outgoing(snapshot), outer.payload_bytes))
+
+        def encode() -> tuple[dict[str, Tensor], int]:  # on the compute thread: no other sync between
+            out: dict[str, Tensor] = {}
+            nbytes = 0
+            for kind, names in self._by_kind(snapshot).items():
+                part = {n: snapshot[n] for n in names}
+                if kind is DeltaCompression.NONE:
+                    out.update(outer.outgoing(part, kind))
+                else:
+                    out.update(outer.outgoing_deltas(part, kind))
+                nbytes += outer.payload_bytes
+            return out, nbytes
+
+        out, nbytes = await run_in_compute_thread(encode)
         self.payload_bytes.append(nbytes)
         return out
 
     async def _incoming(self, averaged: dict[str, Tensor]) -> dict[str, Tensor]:
         if self._closing:
             return averaged
-        if self.outer.wire is None:
-            return await run_in_compute_thread(self.outer.step, averaged)
-        lost = {n: self._lost.pop(n) for n in averaged if n in self._lost}
-        return await run_in_compute_thread(self.outer.step_deltas, averaged, lost)
+        outer = self.outer
+
+        def step() -> dict[str, Tensor]:
+            out: dict[str, Tensor] = {}
+            for kind, names in self._by_kind(averaged).items():
+                part = {n: averaged[n] for n in names}
+                if kind is DeltaCompression.NONE:
+                    out.update(outer.step(part))
+                else:
+                    lost = {n: self._lost.pop(n) for n in names if n in self._lost}
+                    out.update(outer.step_deltas(part, lost))
+            return out
+
+        return await run_in_compute_thread(step)

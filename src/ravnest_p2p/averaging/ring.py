@@ -60,10 +60,13 @@ survivor to agree on which parts of the dead member were already folded in, i.e.
 restarting costs one more pass over the shard only when someone fails. hivemind's averager forms groups
 by DHT matchmaking and splits by peer bandwidth; our rings are fixed by the plan and need no matchmaking.
 
-Limits. A member that completed an attempt while its successor failed on the last step keeps that
-average while the others form a new attempt without it: replicas then differ by one round's averaging
-until the next round. Probes decide liveness, not speed: a member that answers probes but moves slower
-than the step deadline is dropped only after its attempt fails `max_attempts` times.
+Commit (`commit.py`). An attempt's mean counts as soon as one member holds it whole: a member whose
+attempt failed with every part in hand (only its neighbour's acks missing) applies it, and one that
+lacks it fetches it from a holder its probe finds, instead of forming the next attempt; so every
+survivor applies the same mean.
+
+Limits. Probes decide liveness, not speed: a member that answers probes but moves slower than the step
+deadline is dropped only after its attempt fails `max_attempts` times.
 """
 
 from __future__ import annotations
@@ -77,12 +80,21 @@ from collections.abc import Collection, Mapping
 import torch
 
 from ravnest_p2p.averaging.base import RingConfig, RingMetrics, RoundMetrics, flatten_shard, split_shard
+from ravnest_p2p.averaging.commit import fetch_result, result_slice
 from ravnest_p2p.averaging.deltawire import WireCodec
 from ravnest_p2p.averaging.early import AllowEarly, EarlySlots
 from ravnest_p2p.averaging.frames import ByteReader, ByteWriter, read_hello
-from ravnest_p2p.averaging.messages import RING_STATUS, StatusReply, StatusRequest, StreamHello
+from ravnest_p2p.averaging.messages import (
+    RING_RESULT,
+    RING_STATUS,
+    ResultReply,
+    ResultRequest,
+    StatusReply,
+    StatusRequest,
+    StreamHello,
+)
 from ravnest_p2p.averaging.partstream import AttemptFailed, receive_attempt, refuse, send_attempt
-from ravnest_p2p.averaging.reform import reform
+from ravnest_p2p.averaging.reform import NextAttempt, reform
 from ravnest_p2p.averaging.session import LinkRates, RingRefused, RingSession
 from ravnest_p2p.averaging.shards import Shard, ShardMap
 from ravnest_p2p.averaging.streams import P2PStreams, Streams
@@ -129,6 +141,7 @@ class RingAllReduce:
         self.early = EarlySlots(self.config.max_buffered_messages, allow_early)
         self._serving = False
         self._expected: ShardMap | None = None  # the map of the coming (or running) round
+        self._releases: dict[str, asyncio.TimerHandle] = {}  # held means' expiry (`commit.py`)
 
     @property
     def peer_id(self) -> str:
@@ -137,6 +150,7 @@ class RingAllReduce:
     async def start(self) -> None:
         await self._streams.serve(self._stream_name, self._on_stream)
         await self.endpoint.serve(RING_STATUS, self._on_status)
+        await self.endpoint.serve(RING_RESULT, self._on_result)
         self._serving = True
 
     async def aclose(self) -> None:
@@ -146,10 +160,14 @@ class RingAllReduce:
                 async with asyncio.timeout(_UNSERVE_TIMEOUT_S):  # a dead daemon must not hang shutdown
                     await self._streams.unserve(self._stream_name)
                     await self.endpoint.unserve(RING_STATUS)
+                    await self.endpoint.unserve(RING_RESULT)
             except TimeoutError:
                 logger.warning("ring handlers of %s not removed in %ss", self.peer_id, _UNSERVE_TIMEOUT_S)
         for session in self._sessions.values():
             session.stop_attempt()
+        for release in self._releases.values():
+            release.cancel()
+        self._releases.clear()
         self._notify()
 
     def expect(self, shard_map: ShardMap) -> None:
@@ -173,7 +191,7 @@ class RingAllReduce:
         round_index: int,
         link_rates: LinkRates | None = None,
         wait_for_all: bool = False,
-        wire: WireCodec | None = None,
+        wire: WireCodec | Mapping[str, WireCodec | None] | None = None,
         errors: dict[str, torch.Tensor] | None = None,
         ring_ids: Collection[str] | None = None,
     ) -> tuple[dict[str, torch.Tensor], RoundMetrics]:
@@ -192,6 +210,7 @@ class RingAllReduce:
                 out of the next attempt. For a closing round, after which the replicas must agree.
             wire: the parts carry encoded Δ (`deltawire.py`) instead of `config.compression`; every
                 member of a ring must pass the same codec (streams say which; others are refused).
+                A mapping gives each ring id its own (missing or None: `config.compression`).
             errors: with a lossy `wire`, filled with what this member's encodings dropped, by name, in
                 sum units (x ring size of the mean), for the rings that averaged: error feedback.
             ring_ids: average only these of my rings (a staggered sync's fragment); None = all.
@@ -213,7 +232,15 @@ class RingAllReduce:
                     raise ValueError(f"{name!r}: missing or not {numel} elements")
         results = await asyncio.gather(
             *(
-                self._run_ring(shard_map.epoch, shard, tensors, round_index, rates, wait_for_all, wire)
+                self._run_ring(
+                    shard_map.epoch,
+                    shard,
+                    tensors,
+                    round_index,
+                    rates,
+                    wait_for_all,
+                    wire.get(shard.ring_id) if isinstance(wire, Mapping) else wire,
+                )
                 for shard in shards
             )
         )
@@ -268,6 +295,7 @@ class RingAllReduce:
         )
         try:
             values = await flatten_shard(parts, shard.numel)
+            self._release(shard.ring_id)  # the previous round's mean: its members have moved on
             self._sessions[shard.ring_id] = session
             self._notify()
             while members is not None and len(members) >= 2:
@@ -286,14 +314,28 @@ class RingAllReduce:
                     logger.info(
                         "ring %s round %d attempt %d failed: %s", shard.ring_id, round_index, attempt, exc
                     )
-                    if attempt + 1 >= self.config.max_attempts or time.monotonic() >= deadline:
+                    if session.complete:  # only acks were missing: the mean is here (`commit.py`)
+                        result, participants = session.average(), session.members
+                        break
+                    last = attempt + 1 >= self.config.max_attempts or time.monotonic() >= deadline
+                    # even without attempts left: a member that holds this attempt's mean commits it
+                    probe_by = max(deadline, time.monotonic() + self.config.probe_timeout_s)
+                    after = await self._reform(session, probe_by, wait_for_all and not last)
+                    if after.holders:
+                        mean = await fetch_result(self.endpoint, session, after.holders, self.config)
+                        if mean is not None:
+                            result, participants = session.adopt(mean), session.members
                         members = None
                         break
-                    attempt, members = await self._reform(session, deadline, wait_for_all)
+                    if last:
+                        members = None
+                        break
+                    attempt, members = after.attempt, after.members
         finally:
             session.finish(done=True)
             self._notify()
             await _discard(early)
+            self._linger(session)
         lost = None
         if result is None:  # no attempt completed: this round keeps the local values
             result = await flatten_shard(parts, shard.numel)
@@ -346,11 +388,30 @@ class RingAllReduce:
             raise AttemptFailed(f"cannot open a stream to {session.right}: {exc!r}") from None
         await send_attempt(session, streams, self.config)
 
-    async def _reform(
-        self, session: RingSession, deadline: float, wait_for_all: bool
-    ) -> tuple[int, tuple[str, ...] | None]:
-        """After a failed attempt: probe the members; return the next (attempt, members) or None."""
+    async def _reform(self, session: RingSession, deadline: float, wait_for_all: bool) -> NextAttempt:
+        """After a failed attempt: probe the members; who holds its mean, or the next attempt."""
         return await reform(self.endpoint, session, self.config, deadline, wait_for_all=wait_for_all)
+
+    def _release(self, ring_id: str) -> None:
+        """Drop the mean held for `ring_id`'s previous round (memory: a copy of the shard)."""
+        handle = self._releases.pop(ring_id, None)
+        if handle is not None:
+            handle.cancel()
+        previous = self._sessions.get(ring_id)
+        if previous is not None:
+            previous.release()
+
+    def _linger(self, session: RingSession) -> None:
+        """Keep a held mean for the members still fetching it (`commit.py`): until this ring's next
+        round starts here, at most three step deadlines."""
+        previous = self._releases.pop(session.ring_id, None)
+        if previous is not None:
+            previous.cancel()
+        if session.result is not None:
+            loop = asyncio.get_running_loop()
+            # a member still in the attempt notices its failure within a step deadline, probes, fetches
+            linger_s = min(self.config.round_timeout_s, 3 * self.config.step_timeout_s)
+            self._releases[session.ring_id] = loop.call_later(linger_s, session.release)
 
     # ----- serving -------------------------------------------------------------------------------
     def _notify(self) -> None:
@@ -422,8 +483,18 @@ class RingAllReduce:
             session.stop_attempt()  # the prober's attempt failed, so ours cannot complete either
             self._notify()
         return StatusReply(
-            alive=True, attempt=max(session.attempt, 0), done=session.done, members=list(session.members)
+            alive=True,
+            attempt=max(session.attempt, 0),
+            done=session.done,
+            members=list(session.members),
+            holds=session.holds,
         )
+
+    async def _on_result(
+        self, req: ResultRequest, tensors: list[torch.Tensor], ctx: CallContext
+    ) -> ResultReply | tuple[ResultReply, list[torch.Tensor]]:
+        mean = result_slice(self._sessions.get(req.ring_id), req, ctx.remote_peer_id)
+        return ResultReply(available=False) if mean is None else (ResultReply(available=True), [mean])
 
     def _behind(self, req: StatusRequest, prober: str) -> bool:
         """Whether this member has not reached `req`'s round of a ring it expects with the prober in it."""

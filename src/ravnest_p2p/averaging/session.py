@@ -134,6 +134,10 @@ class RingSession:
         self.running = False
         self.done = False
         self.acc = torch.empty(0)
+        # the mean of attempt `result_attempt` once this member holds it whole (`commit.py`): kept after
+        # the round, for members of that attempt that fetch it
+        self.result: torch.Tensor | None = None
+        self.result_attempt = -1
         self.bytes_sent = 0
         self.bytes_received = 0
         self._received: dict[tuple[int, int], asyncio.Future[bool]] = {}
@@ -192,8 +196,34 @@ class RingSession:
     def finish(self, *, done: bool) -> None:
         self.stop_attempt()
         self.done = done
-        self.acc = torch.empty(0)  # late messages are refused; free the memory
+        self.acc = torch.empty(0)  # late messages are refused; free the memory (`result` stays)
         self.relay = {}
+
+    @property
+    def complete(self) -> bool:
+        """Every part of the current attempt arrived: the accumulator holds the whole sum.
+
+        True even if the attempt then failed (only the right neighbour's acks were missing). Frozen
+        once the attempt stops: a stopped attempt takes no more parts.
+        """
+        received = self._received.values()
+        return bool(received) and all(f.done() and f.result() for f in received)
+
+    @property
+    def holds(self) -> int:
+        """The attempt whose whole mean this member holds or is about to hold (`commit.py`), else -1."""
+        if self.result is not None:
+            return self.result_attempt
+        return self.attempt if self.complete and self.acc.numel() else -1
+
+    def adopt(self, mean: torch.Tensor) -> torch.Tensor:
+        """Take `mean` as the result of the current attempt (fetched from a member that holds it)."""
+        self.result, self.result_attempt = mean, self.attempt
+        return mean
+
+    def release(self) -> None:
+        """Forget the held result (no member can still need it)."""
+        self.result, self.result_attempt = None, -1
 
     # ----- chunk arithmetic ----------------------------------------------------------------------
     @property
@@ -312,5 +342,5 @@ class RingSession:
         fut.set_result(True)
 
     def average(self) -> torch.Tensor:
-        """The mean over this attempt's members (after a completed attempt), in place: acc is ours."""
-        return self.acc.div_(self.size)
+        """The mean over this attempt's members once `complete`, in place (acc is ours); held for fetches."""
+        return self.adopt(self.acc.div_(self.size))

@@ -63,7 +63,7 @@ class StageStats:
     reissued: int = 0  # first stage: dropped micro-batches admitted again under a new id
     skipped: int = 0  # first stage: dropped micro-batches given up on
     bytes_sent: int = 0
-    compute_s: float = 0.0  # time this stage's work spent on the compute thread (fwd, bwd, eval)
+    compute_s: float = 0.0  # time this stage's work ran on the compute thread (fwd, bwd + step, eval)
     train_wall_s: float = 0.0  # first stage: wall time inside `train` calls
     send_busy_s: float = 0.0  # wall time with at least one send (call until its reply) in progress
     sends_in_progress: int = 0

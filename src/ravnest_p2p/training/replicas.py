@@ -49,6 +49,7 @@ from ravnest_p2p.averaging import (
     build_shard_map,
     wait_for_period_boundary,
 )
+from ravnest_p2p.averaging.session import LinkRates
 from ravnest_p2p.averaging.stagger import due_fragment, fragment_rings
 from ravnest_p2p.models import build_layers
 from ravnest_p2p.runtime.stage import StageExecutor
@@ -118,6 +119,7 @@ class ReplicaAverager:
         period_s: float = 0.0,
         config: RingConfig | None = None,
         outer: OuterOptimizerConfig | None = None,
+        link_rates: LinkRates | None = None,
     ) -> None:
         self.rings = RingAllReduce(rpc, config or RingConfig())
         self.executor = executor
@@ -129,6 +131,9 @@ class ReplicaAverager:
         schedule = AveragerConfig(period_steps=max(period_steps, 1))
         read = lambda: {**executor.parameters_by_name(), **executor.buffers_by_name()}  # noqa: E731
         self.outer = None if outer is None else OuterOptimizer(outer, plain=executor.buffers_by_name())
+        # every ring member's rates, the same figures at every member (the agreed plan's, bytes/s): chunk
+        # sizes (`averaging/weights.py`) and the Δ codec per ring (`averaging/codec_choice.py`)
+        rates = None if link_rates is None else (lambda: link_rates)
         self.averager = (
             Averager(
                 schedule,
@@ -136,6 +141,7 @@ class ReplicaAverager:
                 read=read,
                 write=executor.assign_parameters,
                 shard_map=lambda: self.shard_map,
+                link_rates=rates,
             )
             if self.outer is None
             else OuterAverager(
@@ -145,6 +151,7 @@ class ReplicaAverager:
                 read=read,
                 write=executor.assign_parameters,
                 shard_map=lambda: self.shard_map,
+                link_rates=rates,
             )
         )
         self._round: asyncio.Task[RoundMetrics | None] | None = None
@@ -268,9 +275,13 @@ class ReplicaAverager:
     def bytes_sent(self) -> int:
         return sum(r.bytes_sent for r in self.rounds)
 
-    def export_outer_state(self) -> dict[str, torch.Tensor]:
-        """The outer optimizer's state by ``outer/<name>/<slot>`` (empty without one), for a re-plan."""
-        return {} if self.outer is None else self.outer.export_state()
+    def export_outer_state(self, *, copy: bool = True) -> dict[str, torch.Tensor]:
+        """The outer optimizer's state by ``outer/<name>/<slot>`` (empty without one), for a re-plan.
+
+        `copy` False: the live tensors (`stage_state.live_tensors`, whose readers copy or check versions:
+        every sync also writes the parameters, so a hand-over notices it).
+        """
+        return {} if self.outer is None else self.outer.export_state(copy=copy)
 
     def import_outer_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Take outer state exported by this layer range's previous owner(s); call before `start`.

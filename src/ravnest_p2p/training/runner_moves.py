@@ -23,6 +23,7 @@ from ravnest_p2p.training.replicas import ReplicaAverager
 from ravnest_p2p.training.resume import cluster_batches
 from ravnest_p2p.training.role import StageRole
 from ravnest_p2p.training.stage_hook import StageStateHook
+from ravnest_p2p.training.stage_state import StageState, attach_extra_state, outer_tensors
 from ravnest_p2p.transport.rpc import RpcEndpoint
 
 __all__ = ["InPlaceMoves"]
@@ -38,6 +39,7 @@ class InPlaceMoves:
     role: StageRole
     service: StageService | None
     replicas: ReplicaAverager | None
+    initial_state: StageState | None
     state_hook: StageStateHook | None
     _datasets: tuple[ArrayDataset, ArrayDataset] | None
     _data_base: int
@@ -75,6 +77,19 @@ class InPlaceMoves:
             final_step=final_step,
             outer=job.outer_optimizer,
         )
+        executor = self.service.executor
+        if replicas.outer is not None:
+            # the outer state moves with the stage: the previous owner's, if the state came with it
+            # (hand-over or checkpoint), before the averager anchors what is missing at the weights
+            moved = {} if self.initial_state is None else outer_tensors(self.initial_state)
+            if moved:
+                try:
+                    replicas.import_outer_state(moved)
+                    logger.info("outer optimizer state of %d tensors taken over", len(moved))
+                except ValueError as exc:
+                    logger.warning("outer optimizer state not taken over: %s", exc)
+            # hand-overs, snapshots and checkpoints carry it
+            attach_extra_state(executor, lambda: replicas.export_outer_state(copy=False))
         await replicas.start()
         return replicas
 

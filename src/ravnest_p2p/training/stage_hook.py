@@ -38,6 +38,7 @@ from ravnest_p2p.training.handover import (
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.stage_state import (
     OPTIM_PREFIX,
+    OUTER_PREFIX,
     StageState,
     capture_meta,
     capture_state,
@@ -194,7 +195,7 @@ async def init_from_checkpoint(
     digests = {e.name: e.digest for e in listing.entries}
     names = names_in_layers(digests, first, first + len(executor.module))
     if init.mode == "weights":
-        names = [n for n in names if not n.startswith(OPTIM_PREFIX)]
+        names = [n for n in names if not n.startswith((OPTIM_PREFIX, OUTER_PREFIX))]
     state = await fetch_state(
         rpc,
         init.peer_id,

@@ -9,7 +9,12 @@ here is named by its place in the whole model:
 - ``<layer>.<attr>`` for parameters and buffers (`StageExecutor.parameters_by_name` /
   ``buffers_by_name``, e.g. ``3.weight``, ``5.running_mean``);
 - ``optim/<param name>/<slot>`` for optimizer state: Adam/AdamW ``step``, ``exp_avg``, ``exp_avg_sq``;
-  SGD ``momentum_buffer``.
+  SGD ``momentum_buffer``;
+- ``outer/<name>/<slot>`` for the outer optimizer's state of a parameter or buffer (`averaging/outer.py`:
+  ``theta``, ``momentum``, ``residual``, fp32), when the stage has one: it lives with the shard's owner
+  and moves with the stage. The averager registers it (`attach_extra_state`), so the hand-over, the
+  snapshots and the checkpoints carry it with the same digest checks; the restore leaves it out of the
+  executor (`outer_tensors` hands it to `ReplicaAverager.import_outer_state` before the averager starts).
 
 Counters and the LR schedule position are a small JSON-able `StateMeta`. Every tensor has a digest (64
 bits of sha256 of its bytes, the same function as `training.replicas.tensor_digests` for floating
@@ -32,21 +37,25 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from ravnest_p2p.averaging.outer import OUTER_PREFIX, OUTER_SLOTS
 from ravnest_p2p.runtime.stage import StageExecutor
 from ravnest_p2p.transport.codec import all_finite
 
 __all__ = [
     "OPTIM_PREFIX",
+    "OUTER_PREFIX",
     "StageState",
     "StateMeta",
     "StateMismatch",
     "TensorEntry",
+    "attach_extra_state",
     "capture_meta",
     "capture_state",
     "check_state",
@@ -58,6 +67,7 @@ __all__ = [
     "merge_states",
     "names_in_layers",
     "optim_name",
+    "outer_tensors",
     "restore_state",
     "sources_for_range",
     "tensor_digest",
@@ -67,6 +77,10 @@ OPTIM_PREFIX = "optim/"
 _MAX_NAME_CHARS = 256
 _ADAM_SLOTS = ("step", "exp_avg", "exp_avg_sq")
 _SGD_SLOTS = ("momentum_buffer",)
+# executor -> more state tensors by global name (the outer optimizer's), read with the live ones
+_EXTRA_STATE: weakref.WeakKeyDictionary[StageExecutor, Callable[[], Mapping[str, Tensor]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class StateMismatch(ValueError):
@@ -85,14 +99,40 @@ def _split_optim(name: str) -> tuple[str, str] | None:
     return (param, slot) if param and slot else None
 
 
+def _split_outer(name: str) -> tuple[str, str] | None:
+    if not name.startswith(OUTER_PREFIX):
+        return None
+    param, _, slot = name[len(OUTER_PREFIX) :].rpartition("/")
+    return (param, slot) if param and slot else None
+
+
+def _is_model(name: str) -> bool:
+    """A parameter or buffer (not optimizer or outer-optimizer state)."""
+    return _split_optim(name) is None and _split_outer(name) is None
+
+
+def outer_tensors(state: StageState) -> dict[str, Tensor]:
+    """The outer optimizer's entries of `state` (``outer/...``), for `ReplicaAverager.import_outer_state`."""
+    return {n: t for n, t in state.tensors.items() if _split_outer(n) is not None}
+
+
+def attach_extra_state(executor: StageExecutor, provider: Callable[[], Mapping[str, Tensor]] | None) -> None:
+    """Have `live_tensors(executor)` (the hand-over, snapshots, checkpoints) include `provider()`'s
+    tensors (global names with a known prefix, e.g. the outer optimizer's); None detaches."""
+    if provider is None:
+        _EXTRA_STATE.pop(executor, None)
+    else:
+        _EXTRA_STATE[executor] = provider
+
+
 def layer_of(name: str) -> int:
     """The model layer a state name belongs to (``optim/5.weight/step`` -> 5).
 
     Raises:
         StateMismatch: the name does not start with a layer index.
     """
-    optim = _split_optim(name)
-    head = (optim[0] if optim else name).partition(".")[0]
+    prefixed = _split_optim(name) or _split_outer(name)
+    head = (prefixed[0] if prefixed else name).partition(".")[0]
     if not head.isdigit() or len(head) > 9:
         raise StateMismatch(f"{name[:_MAX_NAME_CHARS]!r} is not a global state name")
     return int(head)
@@ -249,13 +289,20 @@ def expected_entries(executor: StageExecutor) -> dict[str, TensorEntry]:
             dtype = "float32" if slot == "step" else dtype_name(param.dtype)
             key = optim_name(name, slot)
             out[key] = TensorEntry(name=key, dtype=dtype, shape=shape)
+    floating = {**executor.parameters_by_name(), **executor.buffers_by_name()}
+    for name, tensor in floating.items():
+        if tensor.is_floating_point():  # what an outer optimizer may hold (any subset of it)
+            for slot in OUTER_SLOTS:
+                key = f"{OUTER_PREFIX}{name}/{slot}"
+                out[key] = TensorEntry(name=key, dtype="float32", shape=tuple(tensor.shape))
     return out
 
 
 def live_tensors(executor: StageExecutor) -> dict[str, Tensor]:
     """The stage's state tensors by global name, as the live tensors themselves (no copies).
 
-    Optimizer slots appear only once the optimizer has state for a parameter (after its first step).
+    Optimizer slots appear only once the optimizer has state for a parameter (after its first step);
+    the outer optimizer's entries (copies) only while an averager has them attached.
     """
     out: dict[str, Tensor] = {n: p.detach() for n, p in executor.parameters_by_name().items()}
     out.update({n: b.detach() for n, b in executor.buffers_by_name().items()})
@@ -265,6 +312,9 @@ def live_tensors(executor: StageExecutor) -> dict[str, Tensor]:
             for slot, value in optimizer.state.get(param, {}).items():
                 if isinstance(value, Tensor):
                     out[optim_name(name, slot)] = value.detach()
+    extra = _EXTRA_STATE.get(executor)
+    if extra is not None:
+        out.update(extra())
     return out
 
 
@@ -367,7 +417,7 @@ def check_state(executor: StageExecutor, state: StageState, *, complete: bool = 
         if present and len(present) != len(slots):
             raise StateMismatch(f"optimizer state of {param} is partial: {present}")
     if complete:
-        model_names = {n for n in expected if _split_optim(n) is None}
+        model_names = {n for n in expected if _is_model(n)}
         missing = sorted(model_names - set(state.tensors))
         if missing:
             raise StateMismatch(f"state lacks {len(missing)} tensors of this stage, e.g. {missing[:3]}")
@@ -399,7 +449,7 @@ def restore_state(executor: StageExecutor, state: StageState, *, complete: bool 
     if executor.in_flight:
         raise RuntimeError(f"cannot restore state with micro-batches in flight: {executor.in_flight}")
     check_state(executor, state, complete=complete)
-    model = {n: t for n, t in state.tensors.items() if _split_optim(n) is None}
+    model = {n: t for n, t in state.tensors.items() if _is_model(n)}  # outer state: `outer_tensors`
     if model:
         executor.assign_parameters(model)
     optimizer = executor.optimizer
