@@ -77,7 +77,8 @@ def assert_swarm_page(dom: Dom, *, run_id: str, job_id: str, num_peers: int, num
     assert text["job-mode"] == "pipeline"
     assert text["job-unfit"] == ""
     assert text["peers"].count("built-ins only") == num_peers
-    assert text["peers"].count("fit") == num_peers and "unfit" not in text["peers"]
+    assert text["peers"].count("fit") == num_peers
+    assert "unfit" not in text["peers"]
 
 
 def shows_training(state: dict[str, Any], *, num_peers: int) -> bool:
