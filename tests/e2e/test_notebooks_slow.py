@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import ravnest_p2p
+from ravnest_p2p.lab.launcher import stop_swarm
 
 nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")
@@ -26,6 +27,7 @@ pytest.importorskip("matplotlib")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+MODES_PREFIX = "rvnbmode"  # the lab prefix modes.ipynb uses (as root)
 
 
 def keep_plot(path: Path) -> None:
@@ -43,7 +45,10 @@ def run_notebook(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     client = nbclient.NotebookClient(
         notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
     )
-    client.execute()  # raises CellExecutionError, with the failing cell, if an assert fails
+    try:
+        client.execute()  # raises CellExecutionError, with the failing cell, if an assert fails
+    finally:
+        nbformat.write(notebook, tmp_path / name)  # the executed notebook, outputs and all, to read
     outputs = [out for cell in notebook.cells for out in cell.get("outputs", [])]
     assert any("image/png" in out.get("data", {}) for out in outputs)
     return "".join(out.get("text", "") for out in outputs)
@@ -57,7 +62,10 @@ def test_checkpoint_and_recovery_notebook_runs(tmp_path: Path, monkeypatch: pyte
 
 
 def test_modes_notebook_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    text = run_notebook("modes.ipynb", tmp_path, monkeypatch)
+    try:
+        text = run_notebook("modes.ipynb", tmp_path, monkeypatch)
+    finally:
+        stop_swarm(MODES_PREFIX)  # the notebook's lab swarm, if a failed cell or a killed kernel left it up
     keep_plot(tmp_path / "modes_accuracy.png")
     for mode in ("pipeline", "sync_backup", "ist"):
         assert mode in text
