@@ -39,14 +39,14 @@ function renderPeers(peers) {
     id.title = String(p.peer_id);
     const state = cell(tr, p.state + (p.client ? " (client)" : ""), "l");
     state.classList.add("state-" + String(p.state).replace(/[^a-z]/g, ""));
+    // for the active job: fit, or why not (its own word, or a plugin the job needs that it lacks)
+    const fit = cell(tr, p.unfit === null || p.unfit === undefined ? "-" : p.unfit ? "unfit: " + p.unfit : "fit", "l");
+    fit.classList.add(p.unfit ? "unfit" : "fit");
     cell(tr, num(p.gflops, 1)); cell(tr, num(p.mem_gb, 1));
     cell(tr, num(p.up_mbps, 0)); cell(tr, num(p.down_mbps, 0)); cell(tr, num(p.rtt_ms, 1));
     cell(tr, p.epoch); cell(tr, p.cluster === null ? "-" : p.cluster + "/" + p.stage);
     cell(tr, num(p.age_s, 0)); cell(tr, p.device, "l"); cell(tr, p.version, "l");
     cell(tr, plugins(p), "l plugins");
-    // for the active job: fit, or why not (its own word, or a plugin the job needs that it lacks)
-    const fit = cell(tr, p.unfit === null || p.unfit === undefined ? "-" : p.unfit ? "unfit: " + p.unfit : "fit", "l");
-    fit.classList.add(p.unfit ? "unfit" : "fit");
   });
 }
 
