@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-unit test-integration test-e2e test-slow test-security docker-test lint format bench clean
+.PHONY: venv demo test test-unit test-integration test-e2e test-slow test-notebooks test-security docker-test lint format bench clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,11 @@ test-e2e: $(STAMP)
 
 test-slow: $(STAMP)
 	RAVNEST_WRITE_RESULTS=1 $(PY) -m pytest -q -m slow
+
+# notebooks 2 and 3 (checkpoint and recovery; the three training modes), minutes each: also in test-slow.
+# Their plots are written next to them (notebooks/*.png).
+test-notebooks: $(STAMP)
+	RAVNEST_WRITE_RESULTS=1 $(PY) -m pytest -q -m slow tests/e2e/test_notebooks_slow.py
 
 # the whole hostile-input suite (fast and slow), its tally written to benchmarks/results/security.*
 test-security: $(STAMP)

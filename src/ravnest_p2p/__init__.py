@@ -28,6 +28,7 @@ if _typing.TYPE_CHECKING:
     from ravnest_p2p.swarm import LocalSwarm, Swarm
     from ravnest_p2p.training.job import InitCheckpoint, JobSpec, StagePlacement
     from ravnest_p2p.training.metrics import StageMetrics
+    from ravnest_p2p.training.model_checkpoint import evaluate_model, load_model
     from ravnest_p2p.training.progress import ProgressView
     from ravnest_p2p.transport import load_or_create_identity
 
@@ -51,7 +52,9 @@ __all__ = [
     "SwarmProfile",
     "__version__",
     "available_models",
+    "evaluate_model",
     "format_table",
+    "load_model",
     "load_or_create_identity",
     "load_profile",
     "summarize",
@@ -76,7 +79,9 @@ _MODULE_OF = {
     "Swarm": "swarm",
     "SwarmProfile": "lab",
     "available_models": "models",
+    "evaluate_model": "training.model_checkpoint",
     "format_table": "status",
+    "load_model": "training.model_checkpoint",
     "load_or_create_identity": "transport",
     "load_profile": "lab",
     "summarize": "client_watch",

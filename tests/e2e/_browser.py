@@ -73,6 +73,12 @@ def assert_swarm_page(dom: Dom, *, run_id: str, job_id: str, num_peers: int, num
     assert "agree on plan" in text["plan-agree"]
     assert dom.polylines >= 2  # a loss and a samples/s line at least
     assert text["error"] == ""
+    # the active job's mode; every peer serves the built-in model and data set, so every one is fit
+    assert text["job-mode"] == "pipeline"
+    assert text["job-unfit"] == ""
+    assert text["peers"].count("built-ins only") == num_peers
+    assert text["peers"].count("fit") == num_peers
+    assert "unfit" not in text["peers"]
 
 
 def shows_training(state: dict[str, Any], *, num_peers: int) -> bool:

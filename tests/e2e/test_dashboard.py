@@ -165,6 +165,11 @@ def hostile_snapshot() -> dict:
         "cluster": 0,
         "stage": 0,
         "age_s": 1.0,
+        "plugin_models": [HOSTILE, "toy_net"],
+        "plugin_datasets": [HOSTILE],
+        "unfit_job": HOSTILE,
+        "unfit_reason": HOSTILE,
+        "unfit": HOSTILE,
     }
     job = {
         "job_id": HOSTILE,
@@ -217,3 +222,8 @@ async def test_markup_from_the_dht_is_shown_as_text_in_chromium(tmp_path: Path):
     assert dom.row_classes.count("peer-row") == 1
     assert dom.row_classes.count("averaging-row") == 1
     assert f"failed: {HOSTILE}" in dom.text_by_id["averaging"]
+    # plugins and why a peer is unfit for the active job: shown, as text
+    assert f"models: {HOSTILE}, toy_net; data: {HOSTILE}" in dom.text_by_id["peers"]
+    assert f"unfit: {HOSTILE}" in dom.text_by_id["peers"]
+    assert dom.text_by_id["job-unfit"] == "1 peer unfit for it (see Peers)"
+    assert dom.text_by_id["job-mode"] == "pipeline"

@@ -17,11 +17,22 @@ from typing import Any
 
 from ravnest_p2p.client_watch import summarize
 from ravnest_p2p.discovery import PeerRecord
+from ravnest_p2p.discovery.records import Serving
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import StageMetrics
+from ravnest_p2p.training.placement import job_serving
 from ravnest_p2p.training.progress import ProgressView
 
-__all__ = ["MAX_CLUSTERS", "MAX_PEERS", "MAX_POINTS", "MAX_STAGES", "History", "build_state", "peer_row"]
+__all__ = [
+    "MAX_CLUSTERS",
+    "MAX_PEERS",
+    "MAX_POINTS",
+    "MAX_STAGES",
+    "History",
+    "build_state",
+    "peer_row",
+    "unfit_for",
+]
 
 MAX_PEERS = 500
 MAX_STAGES = 500
@@ -33,8 +44,19 @@ def _round(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(float(value), digits)
 
 
-def peer_row(r: PeerRecord, now: float) -> dict[str, Any]:
-    """One peer as the page shows it: its measured figures, state, place and record age."""
+def unfit_for(r: PeerRecord, serving: Serving) -> str | None:
+    """Why the peer cannot serve the job `serving` describes (None: it can), as planners judge it
+    (`Serving.met_by`): it said so itself, or it does not list a plugin model or data set the job names."""
+    if r.unfit_job == serving.job_id:
+        return r.unfit_reason or "it says it cannot serve this job"
+    missing = [f"plugin model {m}" for m in sorted(serving.plugin_models - set(r.plugin_models))]
+    missing += [f"plugin data set {d}" for d in sorted(serving.plugin_datasets - set(r.plugin_datasets))]
+    return "lacks " + ", ".join(missing) if missing else None
+
+
+def peer_row(r: PeerRecord, now: float, serving: Serving | None = None) -> dict[str, Any]:
+    """One peer as the page shows it: its measured figures, state, place, record age, the plugin models
+    and data sets it serves, and (with the active job's `serving`) why it is unfit for that job."""
     return {
         "peer_id": r.peer_id,
         "state": str(r.state),
@@ -50,6 +72,12 @@ def peer_row(r: PeerRecord, now: float) -> dict[str, Any]:
         "cluster": r.cluster,
         "stage": r.stage,
         "age_s": _round(max(0.0, now - r.updated_at), 1),
+        "plugin_models": list(r.plugin_models),
+        "plugin_datasets": list(r.plugin_datasets),
+        "unfit_job": r.unfit_job,
+        "unfit_reason": r.unfit_reason,
+        # None without an active job; "" when the peer can serve it
+        "unfit": None if serving is None else (unfit_for(r, serving) or ""),
     }
 
 
@@ -179,11 +207,12 @@ def build_state(
             ],
         }
     shown = sorted(records, key=lambda r: r.peer_id)[:MAX_PEERS]
+    serving = job_serving(job) if job is not None else None
     return {
         "run_id": run_id,
         "time": round(now, 3),
         "num_peers": len(records),
-        "peers": [peer_row(r, now) for r in shown],
+        "peers": [peer_row(r, now, serving) for r in shown],
         "plan": {
             "epoch": epoch,
             "digest": top[0][0][:16] if top else None,

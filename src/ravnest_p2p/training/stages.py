@@ -7,6 +7,7 @@ build only the stage's own layers; the others are built whole and sliced.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from torch import Tensor
@@ -19,7 +20,15 @@ from ravnest_p2p.training.data import ArrayDataset, iterate_batches, num_batches
 from ravnest_p2p.training.datasets import load_job_data
 from ravnest_p2p.training.job import JobSpec
 
-__all__ = ["build_stage", "label_spec", "load_dataset", "num_layers", "steps_per_cluster", "train_batches"]
+__all__ = [
+    "as_model_input",
+    "build_stage",
+    "label_spec",
+    "load_dataset",
+    "num_layers",
+    "steps_per_cluster",
+    "train_batches",
+]
 
 
 def num_layers(job: JobSpec) -> int:
@@ -62,8 +71,25 @@ def build_stage(job: JobSpec, first_layer: int, end_layer: int, *, max_in_flight
 
 
 def load_dataset(job: JobSpec) -> tuple[ArrayDataset, ArrayDataset]:
-    """(train, held-out) splits of the job's data set (`training.datasets`: checked against its digest)."""
-    return load_job_data(job)
+    """(train, held-out) splits of the job's data set (`training.datasets`: checked against its digest),
+    their inputs in the model's input shape (`as_model_input`)."""
+    train, held_out = load_job_data(job)
+    return as_model_input(job, train), as_model_input(job, held_out)
+
+
+def as_model_input(job: JobSpec, data: ArrayDataset) -> ArrayDataset:
+    """`data` with its inputs reshaped to the model's input shape when a sample holds exactly as many
+    elements in another shape (the digits' ``(1, 8, 8)`` images for the 64 inputs of `mlp` or `wide_mlp`).
+
+    A whole model flattens such inputs itself, but a pipeline's first stage checks what it is fed against
+    the model's input spec, and refused every digits micro-batch of an MLP. Anything else is left as it is
+    (and refused there, if it does not fit).
+    """
+    shape = tuple(get_model_spec(job.model).input_spec(parse_config(job.model, job.model_params)).shape)
+    sample = tuple(data.inputs.shape[1:])
+    if sample == shape or math.prod(sample) != math.prod(shape):
+        return data
+    return ArrayDataset(data.inputs.reshape(data.inputs.shape[0], *shape), data.labels)
 
 
 def steps_per_cluster(job: JobSpec, num_samples: int, num_clusters: int) -> int:

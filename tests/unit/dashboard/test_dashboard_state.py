@@ -15,7 +15,7 @@ from ravnest_p2p.dashboard.state import MAX_PEERS, MAX_POINTS, History, build_st
 from ravnest_p2p.status import main as status_main
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.progress import ProgressView
-from tests.unit.dashboard._fakes import peer, stage
+from tests.unit.dashboard._fakes import peer, pid, stage
 
 HOSTILE = "<img src=x onerror=alert(1)>"
 
@@ -199,3 +199,37 @@ async def test_serves_over_a_real_socket_with_security_headers_and_bounded_reque
         huge = b"GET / HTTP/1.1\r\nX: " + b"a" * (MAX_REQUEST_BYTES * 2) + b"\r\n\r\n"
         assert await _http(server.port, huge) == b""
         assert (await _http(server.port, b"garbage\r\n\r\n")).startswith(b"HTTP/1.1 400")
+
+
+def test_peers_show_their_plugins_and_why_they_are_unfit_for_the_active_job():
+    plain = peer(1)
+    serves = peer(2).model_copy(update={"plugin_models": ("toy_net",), "plugin_datasets": ("toy_data",)})
+    refused = serves.model_copy(update={"peer_id": pid(3), "unfit_job": "j2", "unfit_reason": HOSTILE})
+    other_job = serves.model_copy(update={"peer_id": pid(4), "unfit_job": "old", "unfit_reason": "x"})
+    job = JobSpec(job_id="j2", model="toy_net", dataset="toy_data")  # plugins: not installed here
+    state = build_state(
+        run_id="r",
+        now=1000.0,
+        records=[plain, serves, refused, other_job],
+        epoch=3,
+        digests={},
+        job=job,
+        progress=None,
+        metrics=[],
+    )
+    rows = {row["peer_id"]: row for row in state["peers"]}
+    assert rows[plain.peer_id]["unfit"] == "lacks plugin model toy_net, plugin data set toy_data"
+    assert rows[plain.peer_id]["plugin_models"] == []
+    assert rows[serves.peer_id]["unfit"] == ""  # fit
+    assert rows[serves.peer_id]["plugin_models"] == ["toy_net"]
+    assert rows[serves.peer_id]["plugin_datasets"] == ["toy_data"]
+    assert rows[refused.peer_id]["unfit"] == HOSTILE  # its own word, passed as data
+    assert rows[other_job.peer_id]["unfit"] == ""  # unfit for another job only
+    assert rows[other_job.peer_id]["unfit_job"] == "old"
+    assert state["job"]["mode"] == "pipeline"
+    # a built-in job needs no plugin: every peer is fit; no job: no verdict
+    assert {row["unfit"] for row in snapshot()["peers"]} == {""}
+    no_job = build_state(
+        run_id="r", now=1.0, records=[plain], epoch=0, digests={}, job=None, progress=None, metrics=[]
+    )
+    assert no_job["peers"][0]["unfit"] is None

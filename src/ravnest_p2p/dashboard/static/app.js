@@ -39,11 +39,24 @@ function renderPeers(peers) {
     id.title = String(p.peer_id);
     const state = cell(tr, p.state + (p.client ? " (client)" : ""), "l");
     state.classList.add("state-" + String(p.state).replace(/[^a-z]/g, ""));
+    // for the active job: fit, or why not (its own word, or a plugin the job needs that it lacks)
+    const fit = cell(tr, p.unfit === null || p.unfit === undefined ? "-" : p.unfit ? "unfit: " + p.unfit : "fit", "l");
+    fit.classList.add(p.unfit ? "unfit" : "fit");
     cell(tr, num(p.gflops, 1)); cell(tr, num(p.mem_gb, 1));
     cell(tr, num(p.up_mbps, 0)); cell(tr, num(p.down_mbps, 0)); cell(tr, num(p.rtt_ms, 1));
     cell(tr, p.epoch); cell(tr, p.cluster === null ? "-" : p.cluster + "/" + p.stage);
     cell(tr, num(p.age_s, 0)); cell(tr, p.device, "l"); cell(tr, p.version, "l");
+    cell(tr, plugins(p), "l plugins");
   });
+}
+
+function plugins(p) {
+  const models = Array.isArray(p.plugin_models) ? p.plugin_models.map(String) : [];
+  const datasets = Array.isArray(p.plugin_datasets) ? p.plugin_datasets.map(String) : [];
+  const parts = [];
+  if (models.length) parts.push("models: " + models.join(", "));
+  if (datasets.length) parts.push("data: " + datasets.join(", "));
+  return parts.length ? parts.join("; ") : "built-ins only";
 }
 
 function renderPlan(plan) {
@@ -58,14 +71,18 @@ function renderPlan(plan) {
   });
 }
 
-function renderJob(job) {
+function renderJob(job, peers) {
   if (!job) {
     text("job-id", "none"); text("job-desc", "no job published"); text("job-progress", "-");
+    text("job-mode", "-"); text("job-unfit", "");
     text("job-max", ""); text("job-state", "-"); fillTable("job-clusters", [], () => {});
     return;
   }
   text("job-id", job.job_id);
-  text("job-desc", job.model + " on " + job.dataset + ", " + job.mode + ", batch " + job.batch_size);
+  text("job-desc", job.model + " on " + job.dataset + ", batch " + job.batch_size);
+  text("job-mode", job.mode);
+  const unfit = (peers || []).filter((p) => p.unfit).length;
+  text("job-unfit", unfit ? unfit + " peer" + (unfit > 1 ? "s" : "") + " unfit for it (see Peers)" : "");
   const steps = job.micro_batches !== null ? job.micro_batches
     : Math.max(0, ...job.clusters.map((c) => c.step));
   text("job-progress", steps);
@@ -162,7 +179,7 @@ function render(state) {
   text("num-peers", state.num_peers);
   renderPeers(state.peers || []);
   renderPlan(state.plan);
-  renderJob(state.job);
+  renderJob(state.job, state.peers);
   renderAveraging(state.averaging, state.stages || []);
   renderPlots(state.history || {});
   document.body.dataset.reads = String(state.reads);
