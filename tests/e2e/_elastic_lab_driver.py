@@ -60,11 +60,24 @@ class StepWatch:
 
     def __init__(self, peer_ids: set[str]) -> None:
         self.seen: dict[str, dict[float, int]] = {pid: {} for pid in peer_ids}
+        self.epoch_at: dict[float, int] = {}
 
     def observe(self, metrics: list[StageMetrics]) -> None:
         for m in metrics:
             if m.peer_id in self.seen:
                 self.seen[m.peer_id][m.updated_at] = m.optimizer_steps
+                self.epoch_at[m.updated_at] = m.epoch
+
+    def first_on_epoch_after(self, epoch: int) -> float | None:
+        """The first publication of a watched stage on a plan after `epoch` (an in-place move publishes
+        at once)."""
+        return min((at for at, e in self.epoch_at.items() if e > epoch), default=None)
+
+    def series(self, origin: float) -> dict[str, list[tuple[float, int]]]:
+        return {
+            pid: [(round(at - origin, 2), steps) for at, steps in sorted(seen.items())]
+            for pid, seen in self.seen.items()
+        }
 
     def changes(self, peer_id: str) -> list[float]:
         """Publication times at which the peer's step count differed from its previous publication."""
