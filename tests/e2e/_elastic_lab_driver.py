@@ -190,6 +190,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         result["kept_longest_gap_s"] = watch.longest_gap_s(
             disturbed_dht_time - 5.0, trained_again_dht_time + 5.0
         )
+        # the same around the moment cluster 0 moved to the new plan only (the kill itself also stalls
+        # it a while: its averaging partner in the killed cluster is gone until the round's deadline)
+        moved_at = watch.first_on_epoch_after(epoch)
+        result["kept_moved_after_s"] = None if moved_at is None else moved_at - disturbed_dht_time
+        result["kept_longest_gap_at_move_s"] = (
+            None if moved_at is None else watch.longest_gap_s(moved_at - 10.0, moved_at + 10.0)
+        )
+        result["kept_steps"] = watch.series(disturbed_dht_time)
         result["kept_median_interval_s"] = watch.median_interval_s(disturbed_dht_time)
         result["kept_moved_in_place"] = sorted(
             peer_id
