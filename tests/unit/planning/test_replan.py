@@ -77,7 +77,7 @@ def test_a_kill_in_one_cluster_keeps_the_other_identical(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_a_join_keeps_every_old_cluster(seed: int) -> None:
+def test_a_join_keeps_the_old_clusters_and_places_the_newcomers(seed: int) -> None:
     peers = _swarm(seed)
     first = make_plan(peers, LAYERS, JOB, epoch=1)
     rng = np.random.default_rng(100 + seed)
@@ -86,9 +86,13 @@ def test_a_join_keeps_every_old_cluster(seed: int) -> None:
         after = [*peers, *newcomers]
         plan = make_plan(after, LAYERS, JOB, epoch=2, previous=placed_stages(first))
         _covers(plan, after)
-        assert _shapes(first) <= _shapes(plan)
-        if num_new == 4:  # enough newcomers for a cluster of their own
+        placed = {pid for c in plan.clusters for pid in c.peer_ids}
+        assert {p.peer_id for p in newcomers} <= placed  # a joining peer gets a stage
+        if num_new == 4:  # enough newcomers for a cluster of their own: every old cluster stays
+            assert _shapes(first) <= _shapes(plan)
             assert len(plan.clusters) == 3
+        else:  # a lone newcomer joins one cluster; the other stays
+            assert len(_shapes(first) & _shapes(plan)) == 1
 
 
 @pytest.mark.parametrize("seed", range(4))
