@@ -410,6 +410,7 @@ class Peer:
             plugin_datasets=self._plugins[1],
             unfit_job=unfit_job,
             unfit_reason=unfit_reason,
+            placement=self.membership.placement() if self.membership else None,
         )
 
     def status(self) -> PeerStatus:

@@ -9,6 +9,10 @@ the process group of the last stage of one cluster and measures:
 - the held-out loss at which the new plan resumes (each first stage evaluates right after restoring
   its state, and logs it) against the loss at the kill (within 10 %, not back at the initial loss) and
   against the last evaluation of the state that was handed over (within the evaluation's own noise).
+  The re-plan keeps the other cluster whole (`planning.replan`); whether the lone survivor of the
+  killed cluster joins it (that cluster then restarts with its state) or waits as a spare (it keeps
+  training in place: its next evaluations are the loss on the new plan) is the cost model's call on
+  the measured figures, so the test accepts both.
 
 Then the owner stops the job (`stop_job`), and `wait_for_job` returns its done metrics.
 
@@ -44,6 +48,7 @@ INITIAL_LOSS = 2.30  # ln(10): ten digit classes, an untrained model
 PEER_CONFIG = FAST_MEMBERSHIP_PEER_CONFIG
 _RESUMED = re.compile(r"resumed at micro-batch (\d+): held-out loss ([0-9.]+)")
 _EVALUATED = re.compile(r"\] micro-batch (\d+): held-out loss ([0-9.]+)")
+_IN_PLACE = re.compile(r"plan moved to epoch (\d+); cluster unchanged")
 
 
 async def wait_for(
@@ -55,6 +60,44 @@ async def wait_for(
 def logged_losses(peers: list[PeerProcess], pattern: re.Pattern[str]) -> list[tuple[int, float]]:
     """(data position, held-out loss) of every evaluation the pattern finds in the peers' logs."""
     return sorted((int(p), float(loss)) for peer in peers for p, loss in pattern.findall(peer.log()))
+
+
+def log_sizes(peers: list[PeerProcess]) -> dict[int, int]:
+    return {id(peer): len(peer.log()) for peer in peers}
+
+
+def evaluated_since(
+    peers: list[PeerProcess], sizes: dict[int, int], pattern: re.Pattern[str]
+) -> list[tuple[int, float]]:
+    """(data position, held-out loss) of the evaluations logged after `sizes` (from `log_sizes`)."""
+    found = []
+    for peer in peers:
+        found += [(int(p), float(loss)) for p, loss in pattern.findall(peer.log()[sizes[id(peer)] :])]
+    return sorted(found)
+
+
+async def loss_on_the_new_plan(
+    peers: list[PeerProcess], at_disturbance: dict[int, int], at_training_again: dict[int, int]
+) -> list[tuple[int, float]]:
+    """The held-out losses the new plan starts from: the resumptions logged since the disturbance (a
+    restarted stage evaluates its restored state) and, for a cluster that kept training in place, its
+    first evaluations logged since the job trained on the new plan."""
+
+    def found() -> list[tuple[int, float]]:
+        resumed = evaluated_since(peers, at_disturbance, _RESUMED)
+        kept = evaluated_since(peers, at_training_again, _EVALUATED)
+        return resumed + kept[:1]
+
+    async def any_found() -> bool:
+        return bool(found())
+
+    await wait_for(any_found, 60, what="an evaluation on the new plan in the logs")
+    return found()
+
+
+def moved_in_place(peers: list[PeerProcess], epoch: int) -> int:
+    """How many of `peers` moved a stage in place to a plan after `epoch`."""
+    return sum(any(int(e) > epoch for e in _IN_PLACE.findall(peer.log())) for peer in peers)
 
 
 def elastic_job() -> JobSpec:
@@ -109,6 +152,7 @@ async def test_a_killed_stage_moves_the_job_to_a_new_plan_with_its_state(tmp_pat
             survivors = [p for p in swarm.peers if p is not victim]
             os.killpg(victim.popen.pid, signal.SIGKILL)
             killed_at = time.monotonic()
+            at_kill = log_sizes(survivors)
             victim.popen.wait(10)
             # the newest evaluation before the kill (each first stage logs one every 16 micro-batches)
             position_at_kill, loss_at_kill = logged_losses(survivors, _EVALUATED)[-1]
@@ -119,16 +163,7 @@ async def test_a_killed_stage_moves_the_job_to_a_new_plan_with_its_state(tmp_pat
 
             await wait_for(training_again_on_a_new_plan, 120, what="training on a plan without the victim")
             resumed_after_s = time.monotonic() - killed_at
-
-            def resumed_after_the_kill() -> list[tuple[int, float]]:
-                # (an earlier re-plan, e.g. while the peers first agreed on the job, resumed further back)
-                return [r for r in logged_losses(survivors, _RESUMED) if r[0] > position_at_kill // 2]
-
-            async def resumption_logged() -> bool:
-                return bool(resumed_after_the_kill())
-
-            await wait_for(resumption_logged, 30, what="a first stage's resumption in the logs")
-            resumed = resumed_after_the_kill()
+            resumed = await loss_on_the_new_plan(survivors, at_kill, log_sizes(survivors))
             loss_after = max(loss for _, loss in resumed)
             # the surviving cluster trains on until the plan moves: the state handed over is the one of
             # its last evaluation before the resumption's position
@@ -138,7 +173,8 @@ async def test_a_killed_stage_moves_the_job_to_a_new_plan_with_its_state(tmp_pat
             print(
                 f"kill -> training on the new plan: {resumed_after_s:.1f}s; held-out loss at the kill "
                 f"{loss_at_kill:.4f} (micro-batch {position_at_kill}), before the re-plan {loss_before:.4f} "
-                f"(micro-batch {position_before}), after resumption {resumed}"
+                f"(micro-batch {position_before}), on the new plan {resumed}; stages moved in place: "
+                f"{moved_in_place(survivors, epoch)}"
             )
 
             await client.stop_job(job.job_id)
@@ -175,6 +211,7 @@ async def test_a_leaving_peer_hands_its_stage_over_and_exits_within_its_grace(tm
             leaver = by_id[next(m.peer_id for m in plan if m.cluster == 1 and m.stage == 1)]
             survivors = [p for p in swarm.peers if p is not leaver]
 
+            at_leave = log_sizes(survivors)
             leaver.popen.send_signal(signal.SIGTERM)  # the CLI's graceful leave
             asked_at = time.monotonic()
             position_at_leave, loss_at_leave = logged_losses(survivors, _EVALUATED)[-1]
@@ -185,17 +222,10 @@ async def test_a_leaving_peer_hands_its_stage_over_and_exits_within_its_grace(tm
 
             await wait_for(training_again_on_a_new_plan, 120, what="training on a plan without the leaver")
             resumed_after_s = time.monotonic() - asked_at
+            at_training_again = log_sizes(survivors)
             exit_code = await asyncio.to_thread(leaver.popen.wait, 60)
             exited_after_s = time.monotonic() - asked_at
-
-            def resumed_after_the_leave() -> list[tuple[int, float]]:
-                return [r for r in logged_losses(survivors, _RESUMED) if r[0] > position_at_leave // 2]
-
-            async def resumption_logged() -> bool:
-                return bool(resumed_after_the_leave())
-
-            await wait_for(resumption_logged, 30, what="a first stage's resumption in the logs")
-            resumed = resumed_after_the_leave()
+            resumed = await loss_on_the_new_plan(survivors, at_leave, at_training_again)
             print(
                 f"SIGTERM -> training on the new plan: {resumed_after_s:.1f}s, the leaver exited after "
                 f"{exited_after_s:.1f}s (code {exit_code}); held-out loss at the signal {loss_at_leave:.4f} "
@@ -208,5 +238,6 @@ async def test_a_leaving_peer_hands_its_stage_over_and_exits_within_its_grace(tm
         assert "leaving: announcing draining" in log
         assert exit_code == 0
         assert exited_after_s < 30.0 + 15.0  # the drain grace, plus closing the daemon and the DHT
+        assert resumed
         assert all(loss < 0.5 * INITIAL_LOSS for _, loss in resumed)  # not back at the initial loss
         assert leaver.peer_id not in {m.peer_id for m in final}

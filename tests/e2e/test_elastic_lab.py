@@ -5,7 +5,9 @@ under the running job.
 - Kill -9 one stage: the survivors train again on a new plan within 30 s of the kill (the job's progress
   record shows the new plan's pipelines moved past their start), the held-out loss the new plan resumes
   at is within 10 % of the loss at the kill (not back at the initial loss), and `wait_for_job` returns
-  the done metrics after the owner stops the job.
+  the done metrics after the owner stops the job. The other cluster is kept whole by the re-plan
+  (`planning.replan`) and keeps training in place: no stage of it restarts, and its longest time without
+  a new optimizer step around the re-plan stays within a bound scaled by its own step cadence.
 - A peer joins mid-job: the swarm re-plans with it, it receives a stage and its state (the new plan
   names it and resumes near the loss before the join, not at the initial loss).
 
@@ -30,7 +32,7 @@ from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import StageMetrics
 from ravnest_p2p.transport import load_or_create_identity
 from tests.e2e._config import FAST_MEMBERSHIP_PEER_CONFIG
-from tests.integration.lab._support import assert_no_leftovers, requires_netns, unique_prefix
+from tests.integration.lab._support import assert_no_leftovers, requires_netns, run_tag, unique_prefix
 
 pytestmark = [pytest.mark.slow, *requires_netns, pytest.mark.timeout(900)]
 
@@ -121,13 +123,19 @@ def report(result: dict[str, Any]) -> list[StageMetrics]:
         f"{result['training_again_after_s']:.1f}s after the disturbance; held-out loss at it "
         f"{result['loss_at_disturbance']:.4f} (micro-batch {result['position_at_disturbance']}), before the "
         f"re-plan {result['loss_before_replan']:.4f}, resumed at {result['resumed']}; final accuracy "
-        f"{[m.eval_accuracy for m in firsts]}"
+        f"{[m.eval_accuracy for m in firsts]}; cluster 0 moved in place on "
+        f"{len(result['kept_moved_in_place'])}/{len(result['kept_cluster'])} stages, its longest time "
+        f"without a new optimizer step {result['kept_longest_gap_s']:.1f}s from 5 s before the disturbance "
+        f"until 5 s after training again, {result['kept_longest_gap_at_move_s']} s within 10 s of its "
+        f"move to the new plan ({result['kept_moved_after_s']} s after the disturbance); median between "
+        f"publications {result['kept_median_interval_s']:.1f}s"
     )
+    print("cluster 0's (seconds since the disturbance, optimizer steps):", result["kept_steps"])
     return final
 
 
 def test_kill_9_of_a_stage_on_the_lab_resumes_within_30s_near_the_loss(tmp_path: Path):
-    result = run_on_the_lab(tmp_path, num_peers=8, mode="kill", run_id="elab-kill", min_stages=3)
+    result = run_on_the_lab(tmp_path, num_peers=8, mode="kill", run_id=f"elab-kill{run_tag()}", min_stages=3)
     final = report(result)
     assert result["training_again_after_s"] < 30.0, result
     # every survivor trains again: 7 peers make two clusters of at least 3 stages (4 + 3)
@@ -140,13 +148,26 @@ def test_kill_9_of_a_stage_on_the_lab_resumes_within_30s_near_the_loss(tmp_path:
     assert loss_after <= 1.25 * result["loss_before_replan"], result
     assert loss_after < 0.5 * INITIAL_LOSS
     assert result["victim"] not in {p for _, _, p in result["plan_after"]}
+    # the cluster without the victim is kept whole (same peers in the same order) and keeps training:
+    # every stage moves in place, and its steps never stall for long around the move (metrics are
+    # published every 2 s; the bound scales with the cadence seen before the kill, for a busy host).
+    # The kill itself stalls it up to an averaging round's deadline (its ring partner is gone): that is
+    # reported, not bounded here.
+    kept = result["kept_cluster"]
+    clusters_after: dict[int, list[str]] = {}
+    for cluster, _, peer_id in result["plan_after"]:
+        clusters_after.setdefault(cluster, []).append(peer_id)
+    assert kept in clusters_after.values(), result["plan_after"]
+    assert result["kept_moved_in_place"] == sorted(kept), result
+    assert result["kept_longest_gap_at_move_s"] is not None, result
+    assert result["kept_longest_gap_at_move_s"] < max(10.0, 4 * result["kept_median_interval_s"]), result
     assert final
     assert any(m.done for m in final if m.stage == 0), final
     assert result["victim"] not in {m.peer_id for m in final}
 
 
 def test_a_peer_joining_mid_job_on_the_lab_receives_a_stage_and_its_state(tmp_path: Path):
-    result = run_on_the_lab(tmp_path, num_peers=7, mode="join", run_id="elab-join", min_stages=3)
+    result = run_on_the_lab(tmp_path, num_peers=7, mode="join", run_id=f"elab-join{run_tag()}", min_stages=3)
     final = report(result)
     assert result["joiner"] in {p for _, _, p in result["plan_after"]}, result
     loss_after = max(loss for _, loss in result["resumed"])

@@ -18,6 +18,11 @@ Plugins. A peer lists the names of the *plugin* models and data sets it can serv
 saying), so a planner leaves out a peer that lacks a job's plugin before that peer even read the job
 (`Serving.met_by`); a peer that read the job and cannot serve it says which job and why (``unfit_job``,
 ``unfit_reason``), for planners and for `status`. Both are optional fields, like the links.
+
+Placement. A peer running a stage of an agreed plan says which layers it holds and for which workload
+(``placement``; the plan's epoch, cluster and stage are the record's ``epoch``/``cluster``/``stage``),
+so every planner, newcomers included, reads the previous plan's clusters from the same signed records
+and keeps those still whole (`planning.replan`). Optional, like the links.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ __all__ = [
     "LinkRecord",
     "PeerIdStr",
     "PeerRecord",
+    "PlacementRecord",
     "Serving",
     "owner_public_key",
     "parse_peer_record",
@@ -75,6 +81,22 @@ class LinkRecord(WireModel):
     rtt_ms: float = Field(ge=0, le=MAX_RTT_MS)
 
 
+class PlacementRecord(WireModel):
+    """The owner's stage in the agreed plan it runs (that plan's epoch, cluster and stage are the record's
+    own fields): its layer range and the workload (job) the plan was made for. A re-plan keeps a previous
+    cluster whose members all still announce it whole (`planning.replan`)."""
+
+    workload: JobIdStr
+    first_layer: int = Field(ge=0, le=1_000_000)
+    last_layer_exclusive: int = Field(ge=1, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _non_empty(self) -> PlacementRecord:
+        if self.last_layer_exclusive <= self.first_layer:
+            raise ValueError("a stage holds at least one layer")
+        return self
+
+
 class PeerRecord(WireModel):
     """What a peer says about itself. Units are in the field names; every number is range-checked."""
 
@@ -100,6 +122,7 @@ class PeerRecord(WireModel):
     plugin_datasets: tuple[PluginName, ...] = Field(default=(), max_length=MAX_PLUGINS)
     unfit_job: JobIdStr | None = Field(default=None, description="a job this peer cannot serve")
     unfit_reason: str | None = Field(default=None, max_length=200)
+    placement: PlacementRecord | None = Field(default=None, description="layers held on the active plan")
 
     @model_validator(mode="after")
     def _links_name_others_once(self) -> PeerRecord:

@@ -5,8 +5,10 @@ only source of records we trust (re-read at once when gossip brought news); (2) 
 fanout; (3) let the `EpochTracker` decide; (4) when it says so, compute ``make_plan(view, job, epoch)``
 over the live peers sorted by id, publish the digest under ``plan/<epoch>``, and watch the board until
 every member the plan names published the same digest: then the plan is *active* and listeners hear of
-it. Members silent past ``agreement_timeout_s`` are excluded for ``exclude_for_s`` and a new epoch opens
-without them (a peer that runs no membership service would otherwise block agreement forever).
+it. The plan keeps the previous plan's clusters that are still whole (`planning.replan`), read from
+the placements in the live members' signed records (`membership.placements`). Members silent past
+``agreement_timeout_s`` are excluded for ``exclude_for_s`` and a new epoch opens without them (a peer
+that runs no membership service would otherwise block agreement forever).
 
 Faults: a heard epoch is adopted only when members' signed records back it (`epochs.backed_epoch`;
 strangers' claims are dropped, and strangers' gossip is rate-limited). `report_suspect` verifies a
@@ -29,16 +31,17 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ravnest_p2p.discovery import PeerRecord, RunDHT, dht_time
-from ravnest_p2p.discovery.records import Serving
+from ravnest_p2p.discovery.records import PlacementRecord, Serving
 from ravnest_p2p.membership.board import PlanBoard
 from ravnest_p2p.membership.config import DEFAULT_LAYERS, MembershipConfig
 from ravnest_p2p.membership.epochs import Action, EpochTracker, Phase, backed_epoch
 from ravnest_p2p.membership.exclusions import Exclusions
 from ravnest_p2p.membership.gossip import Gossiper, GossipLimits
+from ravnest_p2p.membership.placements import own_placement, previous_placements
 from ravnest_p2p.membership.suspects import DhtSuspectBoard, SuspectBoard, SuspectKind
 from ravnest_p2p.membership.suspicion import SuspicionKeeper
 from ravnest_p2p.membership.view import Capacity, MembershipView, SummaryItem
-from ravnest_p2p.planning import JobParams, LinkMatrix, PeerCapacity, Plan, make_plan
+from ravnest_p2p.planning import JobParams, LinkMatrix, PeerCapacity, PlacedStage, Plan, make_plan
 from ravnest_p2p.planning.memory import memory_shortfall
 from ravnest_p2p.transport import RpcEndpoint
 from ravnest_p2p.types import LayerProfile, PeerState
@@ -211,6 +214,10 @@ class MembershipService:
         epoch = self.active_plan.epoch if self.active_plan is not None else 0
         return epoch, cluster, stage
 
+    def placement(self) -> PlacementRecord | None:
+        """This peer's layers in the active plan, for its `PeerRecord` (`membership.placements`)."""
+        return own_placement(self.active_plan, self.active_workload, self.peer_id)
+
     def set_workload(
         self, key: str, job: JobParams, layers: Sequence[LayerProfile], *, serving: Serving | None = None
     ) -> None:
@@ -360,18 +367,34 @@ class MembershipService:
         peers = [cap.to_peer_capacity(pid) for pid, cap in live.items()]
         return peers, view_links(live, peers) if self.config.plan_with_links else None
 
+    def previous_placements(self) -> list[PlacedStage]:
+        """What the plan of this epoch keeps: the live peers' placements (`membership.placements`)."""
+        if not self.config.keep_clusters:
+            return []
+        return previous_placements(
+            self._records.peers, self.view.live_ids(), workload=self.workload, epoch=self.tracker.epoch
+        )
+
     def compute_plan(self) -> Plan:
         """The plan of the current view and epoch (live peers sorted by id; pure)."""
         peers, links = self._plan_inputs()
-        return make_plan(peers, self.config.layers, self.config.job, epoch=self.tracker.epoch, links=links)
+        return make_plan(
+            peers,
+            self.config.layers,
+            self.config.job,
+            epoch=self.tracker.epoch,
+            links=links,
+            previous=self.previous_placements(),
+        )
 
     async def _compute_plan_off_loop(self) -> Plan:
         # make_plan grows super-linearly (~15 s for 100 peers on this machine): run it on the compute
         # thread over a snapshot taken here, so the loop keeps gossiping and the view cannot race it.
         peers, links = self._plan_inputs()
+        previous = self.previous_placements()
         epoch, digest, workload = self.tracker.epoch, self.view.digest(), self.workload
         plan = await run_in_compute_thread(
-            make_plan, peers, self.config.layers, self.config.job, epoch=epoch, links=links
+            make_plan, peers, self.config.layers, self.config.job, epoch=epoch, links=links, previous=previous
         )
         if (epoch, digest, workload) != (self.tracker.epoch, self.view.digest(), self.workload):
             raise _Stale()

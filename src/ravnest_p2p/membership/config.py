@@ -52,6 +52,9 @@ class MembershipConfig(BaseModel):
     plan_ttl_s: float = Field(default=120.0, gt=2)
     # plan with the pairwise link matrix built from the records' measured links (see planning.links)
     plan_with_links: bool = True
+    # keep the previous plan's clusters that are still whole (planning.replan); False: every plan from
+    # scratch, seeded by its epoch (the behaviour before; for A/B measurements)
+    keep_clusters: bool = True
     job: JobParams = JobParams(micro_batch_size=32)
     layers: tuple[LayerProfile, ...] = Field(default=DEFAULT_LAYERS, min_length=1)
 

@@ -24,6 +24,7 @@ from ravnest_p2p.planning.types import (
     InfeasiblePlan,
     JobParams,
     PeerCapacity,
+    PlacedStage,
     Plan,
     StageAssignment,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "LinkMatrix",
     "LinkReport",
     "PeerCapacity",
+    "PlacedStage",
     "Placement",
     "Plan",
     "SearchConfig",

@@ -21,6 +21,7 @@ __all__ = [
     "InfeasiblePlan",
     "JobParams",
     "PeerCapacity",
+    "PlacedStage",
     "Plan",
     "StageAssignment",
 ]
@@ -127,3 +128,18 @@ class Plan(_Frozen):
         """
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class PlacedStage(_Frozen):
+    """Where a peer sat in the previous agreed plan, as its signed record says (a re-plan's input).
+
+    `make_plan` keeps a previous cluster whole when every one of its stages is still here and fits
+    (`planning.replan`); the members read these from the same records, so they agree on them.
+    """
+
+    peer_id: str = Field(min_length=1)
+    epoch: int = Field(ge=0)
+    cluster: int = Field(ge=0)
+    stage: int = Field(ge=0)
+    first_layer: int = Field(ge=0)
+    last_layer_exclusive: int = Field(ge=1)

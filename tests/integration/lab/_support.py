@@ -26,8 +26,18 @@ TRANSFER_TIMEOUT_S = 15.0
 
 
 def unique_prefix() -> str:
-    """A fresh lab prefix, so concurrent test sessions never collide."""
-    return "rvt" + secrets.token_hex(2)
+    """A fresh lab prefix, so concurrent test sessions never collide.
+
+    ``RAVNEST_LAB_STEM`` (at most 6 lowercase letters or digits) replaces the stem ``rvt``, so sessions
+    sharing a host can tell their labs apart (e.g. ``stable`` -> ``stable3f``).
+    """
+    stem = os.environ.get("RAVNEST_LAB_STEM", "rvt")[:6]
+    return stem + secrets.token_hex(4)[: 8 - len(stem)]
+
+
+def run_tag() -> str:
+    """``RAVNEST_RUN_TAG`` (default empty): appended to lab run ids, like the stem to prefixes."""
+    return os.environ.get("RAVNEST_RUN_TAG", "")
 
 
 def measure_mbps(
