@@ -50,12 +50,12 @@ _OVERHEAD = re.compile(r"framework overhead: (\d+) MiB")
 _STAGE = re.compile(r"stage (\d+) \(layers \[(\d+), (\d+)\)\) needs ([\d.]+) GiB \(([^)]*)\)")
 
 
-def _job(quick: bool) -> JobSpec:
+def _job(quick: bool, num_layers: int = 27) -> JobSpec:
     if quick:
         params: dict[str, Any] = {"preset": "10m", "vocab_size": 128, "block_size": 16}
     else:
         # 27 blocks of the 350m preset's width: three per peer (see main for the cap)
-        params = {"preset": "350m", "num_layers": 27, "vocab_size": 128, "block_size": 16}
+        params = {"preset": "350m", "num_layers": num_layers, "vocab_size": 128, "block_size": 16}
     return JobSpec(
         job_id="bigmodel-quick" if quick else "bigmodel",
         model="causal_lm",
@@ -128,7 +128,7 @@ def run(*, num_peers: int, cap_gb: float, job: JobSpec, workdir: Path, timeout_s
         {"run_id": "bigmodel", "shaping": "htb", "peers": [*peers, {"name": "researcher"}]}, source="bench"
     )
     ids = [load_or_create_identity(workdir / f"id{i}.key") for i in range(num_peers)]
-    with NetnsLab(profile, prefix="rvtfm" + os.urandom(1).hex()) as lab:
+    with NetnsLab(profile, prefix="rvmem" + os.urandom(1).hex()) as lab:
         throttles: list[ComputeThrottle] = []
         maddrs = [f"/ip4/{lab.address_of(i)}/tcp/{PORT}/p2p/{ids[i].peer_id}" for i in range(num_peers)]
         try:
@@ -240,13 +240,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--num-peers", type=int, default=None)
     parser.add_argument("--cap-gb", type=float, default=None, help="cap per peer in GB (10**9 bytes)")
+    parser.add_argument("--num-layers", type=int, default=27, help="blocks of the 350m preset's width")
     parser.add_argument("--timeout-s", type=float, default=2400)
     parser.add_argument("--keep", help="keep the work directory (logs) here")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("bench_big_model needs root (network namespaces, cgroups); skipped", flush=True)
         return
-    job = _job(args.quick)
+    job = _job(args.quick, args.num_layers)
     num_peers = args.num_peers or (4 if args.quick else 9)
     # 1.70 GB (1.58 GiB): minus the ~0.5-0.6 GiB framework overhead a peer's free memory stays above
     # 2**30 bytes, the membership view's half-octave bucket that holds three blocks (the agreed view
@@ -265,6 +266,8 @@ def main() -> None:
     for row in rows:
         print(row, flush=True)
     name = "big_model_quick" if args.quick else "big_model"
+    if not args.quick and args.num_layers != 27:
+        name = f"big_model_{args.num_layers}l"
     s = summary
     notes = (
         f"causal_lm {job.model_params} ({s['model_params'] / 1e6:.0f}M parameters; training footprint "
