@@ -15,7 +15,9 @@ Per stage we report the predicted peak (the framework overhead the peer measured
 run while they are still alive; the cgroup's own ``memory.max_usage_in_bytes`` (which also counts page
 cache) and OOM-kill count are reported beside them.
 
-Run (root; ~4 min here, 9 peers at 1.70 GB): ``python -m benchmarks.bench_big_model``. ``--quick`` runs
+Run (root; ~4 min on a quiet host, 13 at load 50; 9 peers at 1.70 GB):
+``python -m benchmarks.bench_big_model``
+(``--num-layers`` with fewer peers runs a few of the same stages, for diagnosis). ``--quick`` runs
 the 10m preset on 4 peers at 0.9 GB, which plans 3 data-parallel clusters: a harness smoke test, not the
 acceptance run. Its one run predates the profiler-leak fix, and two of its peers were OOM-killed, so
 rerun it before relying on it. Replica averaging buffers are not in the memory model.
@@ -249,10 +251,9 @@ def main() -> None:
         return
     job = _job(args.quick, args.num_layers)
     num_peers = args.num_peers or (4 if args.quick else 9)
-    # 1.70 GB (1.58 GiB): minus the ~0.5-0.6 GiB framework overhead a peer's free memory stays above
-    # 2**30 bytes, the membership view's half-octave bucket that holds three blocks (the agreed view
-    # rounds memory down to half-octaves: at 1.63 GB one peer's 556 MiB overhead left 1.047e9 bytes,
-    # counted as 0.76e9, and the swarm planned no cluster)
+    # 1.70 GB (1.58 GiB): minus the ~0.5 GiB framework overhead a peer has ~1.1 GiB for stages, three
+    # or four blocks (the membership view used to round memory down to half-octaves, which left room
+    # for three at most; it buckets memory in sixteenths of an octave now, docs/memory.md)
     cap_gb = args.cap_gb or (0.9 if args.quick else 1.70)
     with tempfile.TemporaryDirectory(prefix="ravnest-tfm-") as tmp:
         workdir = Path(args.keep or tmp)
