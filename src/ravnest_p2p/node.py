@@ -363,11 +363,11 @@ class Peer:
         use by fragments, allocator caches): the overhead is measured again after it, so what the peer
         announces and checks its stage against is what is really left (docs/memory.md).
         """
-        logger.info("memory at dry run start: %s", memory_snapshot().describe())
+        logger.debug("memory at dry run start: %s", memory_snapshot().describe())
         layers = await run_in_compute_thread(layer_profiles, job)
-        logger.info("memory after the dry run: %s", memory_snapshot().describe())
+        logger.debug("memory after the dry run: %s", memory_snapshot().describe())
         release_free_memory()
-        logger.info("memory after trim: %s", memory_snapshot().describe())
+        logger.debug("memory after trim: %s", memory_snapshot().describe())
         overhead = framework_overhead_bytes()
         if self._overhead_bytes is None or overhead > self._overhead_bytes:
             self._overhead_bytes = overhead

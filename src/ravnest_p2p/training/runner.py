@@ -296,7 +296,7 @@ class StageRunner(InPlaceMoves):
         job, role = self.job, self.role
         assert self.memory_available_bytes is not None
         profiles = await run_in_compute_thread(stage_profiles, job, role.first_layer, role.end_layer)
-        logger.info("memory after the stage check: %s", memory_snapshot().describe())
+        logger.debug("memory after the stage check: %s", memory_snapshot().describe())
         release_free_memory()
         params = job_params(job, num_layers=count_layers(job.model, job.model_params))
         params = params.model_copy(update={"max_in_flight": role.window})
@@ -325,7 +325,7 @@ class StageRunner(InPlaceMoves):
         adaptive = job.adaptive_window and job.schedule == "async_1f1b"
         if self.memory_available_bytes is not None:
             await self._check_memory()
-        logger.info("memory before build: %s", memory_snapshot().describe())
+        logger.debug("memory before build: %s", memory_snapshot().describe())
         executor = build_stage(job, role.first_layer, role.end_layer, max_in_flight=role.window)
         logger.info("memory after build: %s", memory_snapshot().describe())
         if self.initial_state is not None:
