@@ -11,9 +11,10 @@ memory. Quantising is what makes agreement possible at all: measured bandwidth a
 little on every refresh, and raw floats would change the view every few seconds. Whole buckets are also
 canonical (no float printing in digests). Memory is finer because the planner's fit decisions are hard
 edges: a half-octave bucket lost up to 29 % of a peer's memory (a peer with 1.05e9 bytes free was
-planned with 0.76e9, and a model that fit was not planned); a sixteenth loses at most 4.2 %. Peers
-publish free memory with hysteresis (`measurement.memory.steady_memory_bytes`), so the finer bucket
-does not flap with the OS's available-memory figure. The epoch/cluster/stage a
+planned with 0.76e9, and a model that fit was not planned); a sixteenth loses at most 4.2 %. An
+uncapped peer publishes free memory with hysteresis (`measurement.memory.steady_memory_bytes`), so the
+finer bucket does not flap with the OS's available-memory figure (a capped peer's does not jitter).
+The epoch/cluster/stage a
 record carries are deliberately left out: they are outputs of the plan, not inputs. The record's
 measured links (`discovery.PeerRecord.links`) are in, bucketed the same way (rates in half-octaves,
 round trips in half-octaves of milliseconds): the planner's `planning.LinkMatrix` is built from the
