@@ -14,8 +14,8 @@ edges: a half-octave bucket lost up to 29 % of a peer's memory (a peer with 1.05
 planned with 0.76e9, and a model that fit was not planned); a sixteenth loses at most 4.2 %. An
 uncapped peer publishes free memory with hysteresis (`measurement.memory.steady_memory_bytes`), so the
 finer bucket does not flap with the OS's available-memory figure (a capped peer's does not jitter).
-The epoch/cluster/stage a
-record carries are deliberately left out: they are outputs of the plan, not inputs. The record's
+The epoch/cluster/stage a record carries are deliberately left out: they are outputs of the plan, not
+inputs. The record's
 measured links (`discovery.PeerRecord.links`) are in, bucketed the same way (rates in half-octaves,
 round trips in half-octaves of milliseconds): the planner's `planning.LinkMatrix` is built from the
 view, so peers that agree on the view agree on the matrix. A record without links has the same content
