@@ -371,6 +371,7 @@ class CheckpointFileSource:
     """
 
     def __init__(self, manifest_path: Path) -> None:
+        self.manifest_path = manifest_path
         self.manifest = read_manifest(manifest_path)
         if Path(self.manifest.file).name != self.manifest.file:
             raise CheckpointError(

@@ -15,8 +15,9 @@ import torch
 
 from ravnest_p2p.measurement.memory import limit_heap_retention, memory_snapshot
 from ravnest_p2p.training.checkpoint import CheckpointFileSource, write_checkpoint
-from ravnest_p2p.training.handover import HandoverServer, StaticSource
+from ravnest_p2p.training.handover import HandoverServer, StaticSource, fetch_state
 from ravnest_p2p.training.handover_wire import FetchStateRequest, ReadItem
+from ravnest_p2p.training.stage_hook import snapshot_on_disk
 from ravnest_p2p.training.stage_state import StageState, capture_state, live_tensors, tensor_digest
 from ravnest_p2p.transport import FakeNetwork, RpcEndpoint
 
@@ -114,3 +115,30 @@ def test_serving_a_checkpoint_reads_pages_from_disk(tmp_path):
     extra = _peak_extra_bytes(CheckpointFileSource(path), state)
     print(f"peak extra {extra / 2**20:.1f} MiB while serving it from disk")
     assert extra <= 2 * _PAGE_BYTES + _SLACK_BYTES
+
+
+async def test_an_in_place_move_serves_the_old_epoch_from_a_snapshot_on_disk():
+    job = resnet_job()
+    (stage,) = build_split(job, [(0, 5)])
+    train_step([stage], seed=1)
+    at_switch = {n: t.clone() for n, t in live_tensors(stage).items()}
+    source = snapshot_on_disk(stage, job, epoch=2, progress={"micro_batches": 1})
+    directory = source.manifest_path.parent
+    train_step([stage], seed=2)  # the stage trains on; the snapshot does not move
+    network = FakeNetwork()
+    server = HandoverServer.of(RpcEndpoint(network.create("owner"), "run"))
+    await server.start()
+    server.publish(job.job_id, source, epoch=2, allowed={"new"})
+    got = await fetch_state(
+        RpcEndpoint(network.create("new"), "run"), "owner", job.job_id, layers=(0, 5), epoch=2
+    )
+    assert set(got.tensors) == set(at_switch)
+    for name, tensor in got.tensors.items():
+        assert torch.equal(tensor, at_switch[name]), name
+    assert got.meta is not None
+    assert got.meta.num_steps == 1
+    await server.aclose()
+    del source, got
+    server._sources.clear()
+    gc.collect()
+    assert not directory.exists()  # the file lives as long as its source
