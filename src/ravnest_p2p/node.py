@@ -32,8 +32,10 @@ from ravnest_p2p.measurement import (
     framework_overhead_bytes,
     free_memory_bytes,
     measure_matmul_flops,
+    memory_snapshot,
     release_free_memory,
     remeasure_matmul_flops,
+    steady_memory_bytes,
 )
 from ravnest_p2p.measurement.compute_refresh import ComputeRefresher
 from ravnest_p2p.membership import DhtPlanBoard, MembershipConfig, MembershipService
@@ -165,6 +167,7 @@ class Peer:
         self._tasks = TaskOwner(f"peer-{transport.peer_id[-6:]}")
         self._closed = False
         self._overhead_bytes: int | None = None
+        self._published_memory: int | None = None  # the free memory last put in the record
         self.supervisor = JobSupervisor(
             SupervisorConfig(poll_s=config.job_poll_s, drain_grace_s=config.drain_grace_s),
             peer_id=transport.peer_id,
@@ -360,8 +363,11 @@ class Peer:
         use by fragments, allocator caches): the overhead is measured again after it, so what the peer
         announces and checks its stage against is what is really left (docs/memory.md).
         """
+        logger.debug("memory at dry run start: %s", memory_snapshot().describe())
         layers = await run_in_compute_thread(layer_profiles, job)
+        logger.debug("memory after the dry run: %s", memory_snapshot().describe())
         release_free_memory()
+        logger.debug("memory after trim: %s", memory_snapshot().describe())
         overhead = framework_overhead_bytes()
         if self._overhead_bytes is None or overhead > self._overhead_bytes:
             self._overhead_bytes = overhead
@@ -374,9 +380,13 @@ class Peer:
         if self._overhead_bytes is None:
             self._overhead_bytes = framework_overhead_bytes()
             logger.info("framework overhead: %.0f MiB (process and p2p daemon)", self._overhead_bytes / 2**20)
-        return free_memory_bytes(
+        measured = free_memory_bytes(
             self.config.device, cap_gb=self.config.max_memory_gb, overhead_bytes=self._overhead_bytes
         )
+        if self.config.max_memory_gb is None:  # the OS's figure jitters; cap - overhead does not
+            measured = steady_memory_bytes(self._published_memory, measured)
+        self._published_memory = measured
+        return measured
 
     def _make_record(self) -> PeerRecord:
         up, down, rtt = self.meter.summary()

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from ravnest_p2p.cli_common import OneLineArgumentParser, fail, format_validation_error, load_toml, run_loop
 from ravnest_p2p.errors import RavnestError
+from ravnest_p2p.measurement.memory import limit_heap_retention
 from ravnest_p2p.node import Peer, PeerConfig
 from ravnest_p2p.utils import configure_logging
 
@@ -157,6 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         fail(str(exc), code=2, prog=PROG)
     configure_logging(log_level)
+    # before torch allocates anything big: freed tensors go back to the OS, so this peer's resident
+    # memory follows what the planner's memory model counts (docs/memory.md)
+    limit_heap_retention()
     return run_loop(_serve(config))
 
 

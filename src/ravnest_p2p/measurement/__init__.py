@@ -5,8 +5,10 @@ from ravnest_p2p.measurement.links import LinkPublisher, PublishedLink
 from ravnest_p2p.measurement.memory import (
     framework_overhead_bytes,
     free_memory_bytes,
+    memory_snapshot,
     peak_rss_bytes,
     release_free_memory,
+    steady_memory_bytes,
 )
 from ravnest_p2p.measurement.network import LinkEstimate, NetworkMeter, ProbeConfig
 
@@ -19,7 +21,9 @@ __all__ = [
     "framework_overhead_bytes",
     "free_memory_bytes",
     "measure_matmul_flops",
+    "memory_snapshot",
     "peak_rss_bytes",
     "release_free_memory",
     "remeasure_matmul_flops",
+    "steady_memory_bytes",
 ]

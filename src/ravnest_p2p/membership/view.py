@@ -6,10 +6,16 @@ compare (by digest) and reconcile (by diff and merge) until they hold the same o
 
 What is in an entry. ``peer id -> (version, capacity)``: the version is the owner's record
 ``updated_at`` (its own clock, monotone per owner), the capacity is the record's figures *quantised to
-half-octave buckets* (integers). Quantising is what makes agreement possible at all: measured bandwidth
-and free memory move a little on every refresh, and raw floats would change the view every few
-seconds. Whole buckets are also canonical (no float printing in digests). The epoch/cluster/stage a
-record carries are deliberately left out: they are outputs of the plan, not inputs. The record's
+log-scale buckets* (integers): half-octaves for compute and bandwidth, sixteenths of an octave for
+memory. Quantising is what makes agreement possible at all: measured bandwidth and free memory move a
+little on every refresh, and raw floats would change the view every few seconds. Whole buckets are also
+canonical (no float printing in digests). Memory is finer because the planner's fit decisions are hard
+edges: a half-octave bucket lost up to 29 % of a peer's memory (a peer with 1.05e9 bytes free was
+planned with 0.76e9, and a model that fit was not planned); a sixteenth loses at most 4.2 %. An
+uncapped peer publishes free memory with hysteresis (`measurement.memory.steady_memory_bytes`), so the
+finer bucket does not flap with the OS's available-memory figure (a capped peer's does not jitter).
+The epoch/cluster/stage a record carries are deliberately left out: they are outputs of the plan, not
+inputs. The record's
 measured links (`discovery.PeerRecord.links`) are in, bucketed the same way (rates in half-octaves,
 round trips in half-octaves of milliseconds): the planner's `planning.LinkMatrix` is built from the
 view, so peers that agree on the view agree on the matrix. A record without links has the same content
@@ -46,7 +52,7 @@ from dataclasses import dataclass
 
 from ravnest_p2p.planning import LinkReport, PeerCapacity
 
-__all__ = ["Capacity", "MembershipView", "SummaryItem", "ViewEntry", "bucket_of"]
+__all__ = ["MEMORY_STEPS_PER_OCTAVE", "Capacity", "MembershipView", "SummaryItem", "ViewEntry", "bucket_of"]
 
 _MBPS_TO_BYTES_PER_S = 1e6 / 8
 # Floors so that a peer that has not measured yet still yields a valid planner input.
@@ -59,6 +65,10 @@ LinkBuckets = tuple[str, int, int, int]
 """``(peer id, up bucket, down bucket, rtt bucket)`` of one measured link."""
 
 
+MEMORY_STEPS_PER_OCTAVE = 16
+"""Memory buckets per doubling: a bucket's lower edge is at most 4.2 % under the figure it holds."""
+
+
 def _bucket(value: float, floor: float) -> int:
     """Half-octave bucket index of ``max(value, floor)``: ``floor(2 * log2(x))``."""
     return math.floor(2 * math.log2(max(value, floor)))
@@ -69,9 +79,25 @@ def _unbucket(index: int) -> float:
     return math.ldexp(1.0, index // 2) * (math.sqrt(2.0) if index % 2 else 1.0)
 
 
+def _memory_unbucket(index: int) -> int:
+    """The lower edge of a memory bucket, in whole bytes."""
+    octave, step = divmod(index, MEMORY_STEPS_PER_OCTAVE)
+    return math.floor(math.ldexp(2.0 ** (step / MEMORY_STEPS_PER_OCTAVE), octave))
+
+
+def _memory_bucket(value_bytes: float) -> int:
+    """``floor(16 * log2(bytes))``; never an edge above the figure (log2 may round up onto an edge)."""
+    value = max(value_bytes, _MIN_MEMORY_BYTES)
+    index = math.floor(MEMORY_STEPS_PER_OCTAVE * math.log2(value))
+    return index - 1 if _memory_unbucket(index) > value else index
+
+
 @dataclass(frozen=True)
 class Capacity:
-    """A peer's quantised figures: half-octave bucket indices (integers, so canonical everywhere)."""
+    """A peer's quantised figures: bucket indices (integers, so canonical everywhere).
+
+    Compute and bandwidth in half-octaves, memory in sixteenths of an octave (`MEMORY_STEPS_PER_OCTAVE`).
+    """
 
     flops_bucket: int
     memory_bucket: int
@@ -92,7 +118,7 @@ class Capacity:
         """Bucket a record's figures; ``links`` are ``(peer id, up Mbit/s, down Mbit/s, rtt ms)``."""
         return cls(
             flops_bucket=_bucket(flops, _MIN_FLOPS),
-            memory_bucket=_bucket(memory_bytes, _MIN_MEMORY_BYTES),
+            memory_bucket=_memory_bucket(memory_bytes),
             upload_bucket=_bucket(upload_mbps, _MIN_MBPS),
             download_bucket=_bucket(download_mbps, _MIN_MBPS),
             links=tuple(
@@ -129,7 +155,7 @@ class Capacity:
         return PeerCapacity(
             peer_id=peer_id,
             flops_per_s=_unbucket(self.flops_bucket),
-            memory_bytes=int(_unbucket(self.memory_bucket)),
+            memory_bytes=_memory_unbucket(self.memory_bucket),
             upload_bytes_per_s=_unbucket(self.upload_bucket) * _MBPS_TO_BYTES_PER_S,
             download_bytes_per_s=_unbucket(self.download_bucket) * _MBPS_TO_BYTES_PER_S,
         )

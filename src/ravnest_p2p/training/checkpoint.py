@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import struct
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -317,6 +318,7 @@ class _LazyTensors(Mapping[str, Tensor]):
     def __init__(self, manifest: CheckpointManifest, data_path: Path) -> None:
         self._manifest = manifest
         self._data_path = data_path
+        self._offsets: dict[str, int] | None = None  # where each tensor's bytes start in the file
 
     def __getitem__(self, name: str) -> Tensor:
         if name not in self._manifest.tensors:
@@ -331,6 +333,35 @@ class _LazyTensors(Mapping[str, Tensor]):
     def __len__(self) -> int:
         return len(self._manifest.tensors)
 
+    def read_range(self, name: str, start: int, count: int) -> Tensor:
+        """Elements [start, start + count) of a tensor, flattened: read from the file, nothing else held.
+
+        Offsets come from the manifest (the file is laid out in name order, as `write_safetensors`
+        writes it); the reader checks the digest of what arrives, so a damaged file is caught there.
+        """
+        entries = self._manifest.tensors
+        if name not in entries:
+            raise KeyError(name)
+        if self._offsets is None:
+            with open(self._data_path, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+            offset, self._offsets = 8 + header_len, {}
+            for key in sorted(entries):
+                self._offsets[key] = offset
+                offset += entries[key].nbytes
+        entry = entries[name]
+        if start < 0 or count < 0 or start + count > entry.numel:
+            raise ValueError(f"{name}: elements [{start}, {start + count}) outside its {entry.numel}")
+        dtype = getattr(torch, entry.dtype)
+        size = torch.empty((), dtype=dtype).element_size()
+        data = bytearray(count * size)
+        with open(self._data_path, "rb") as f:
+            if os.preadv(f.fileno(), [data], self._offsets[name] + start * size) != len(data):
+                raise CheckpointError(f"{self._data_path.name}: truncated at {name}")
+        storage = torch.int16 if dtype == torch.bfloat16 else dtype
+        tensor = torch.frombuffer(data, dtype=storage) if data else torch.empty(0, dtype=storage)
+        return tensor.view(dtype) if storage != dtype else tensor
+
 
 class CheckpointFileSource:
     """A checkpoint on this peer's disk as a `handover.StateSource`: tensors read one at a time.
@@ -340,6 +371,7 @@ class CheckpointFileSource:
     """
 
     def __init__(self, manifest_path: Path) -> None:
+        self.manifest_path = manifest_path
         self.manifest = read_manifest(manifest_path)
         if Path(self.manifest.file).name != self.manifest.file:
             raise CheckpointError(
@@ -350,6 +382,10 @@ class CheckpointFileSource:
 
     def tensors(self) -> Mapping[str, Tensor]:
         return self._tensors
+
+    def read_range(self, name: str, start: int, count: int) -> Tensor:
+        """A page of one tensor straight from the file (`handover_server` serves pages with it)."""
+        return self._tensors.read_range(name, start, count)
 
     def entries(self) -> Mapping[str, TensorEntry]:
         return self.manifest.tensors

@@ -279,6 +279,9 @@ class HandoverServer:
 
     def _read(self, published: _Published, items: Sequence[ReadItem]) -> tuple[str, list[Tensor]]:
         source = published.source
+        ranged: Callable[[str, int, int], Tensor] | None = getattr(source, "read_range", None)
+        if ranged is not None:  # e.g. a checkpoint file: the page from disk, never the whole tensor
+            return self._read_ranges(source, ranged, items)
         tensors, version = source.tensors(), source.version()
         total, out = 0, []
         for item in items:
@@ -292,3 +295,20 @@ class HandoverServer:
                 raise InvalidMessage(f"a page over {self.max_page_bytes} bytes")
             out.append(tensor.detach().reshape(-1)[item.start : item.start + item.count].clone())
         return version, out
+
+    def _read_ranges(
+        self, source: StateSource, ranged: Callable[[str, int, int], Tensor], items: Sequence[ReadItem]
+    ) -> tuple[str, list[Tensor]]:
+        entries: Mapping[str, TensorEntry] = getattr(source, "entries", dict)()
+        total, out = 0, []
+        for item in items:
+            entry = entries.get(item.name)
+            if entry is None:
+                raise _NoState(f"no tensor {item.name[:80]!r} here")
+            if item.start + item.count > entry.numel:
+                raise InvalidMessage(f"{item.name}: elements past its end ({entry.numel})")
+            total += item.count * (entry.nbytes // max(entry.numel, 1))
+            if total > self.max_page_bytes:
+                raise InvalidMessage(f"a page over {self.max_page_bytes} bytes")
+            out.append(ranged(item.name, item.start, item.count))
+        return source.version(), out

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ravnest_p2p.discovery import RunDHT, dht_time
 from ravnest_p2p.errors import RavnestError
-from ravnest_p2p.measurement.memory import release_free_memory
+from ravnest_p2p.measurement.memory import memory_snapshot, release_free_memory
 from ravnest_p2p.models import count_layers
 from ravnest_p2p.planning.memory import stage_memory
 from ravnest_p2p.runtime.service import PipelineConfig, StageService
@@ -262,7 +262,13 @@ class StageRunner(InPlaceMoves):
             delay_s = min(2 * delay_s, 5.0)
 
     async def _metrics_loop(self) -> None:
+        last_hwm = 0
         while True:
+            snap = memory_snapshot()
+            if snap.hwm + snap.children_hwm > last_hwm + 4 * 2**20:
+                last_hwm = snap.hwm + snap.children_hwm
+                steps = self.service.executor.num_steps if self.service else -1
+                logger.debug("memory at step %d: %s", steps, snap.describe())
             await self.publish_metrics()
             await asyncio.sleep(self.metrics_period_s)
 
@@ -270,17 +276,29 @@ class StageRunner(InPlaceMoves):
         service = self.service
         if service is None:
             return
-        # a finished stage never steps again: its held state takes the tensors over instead of doubling
-        # them (planning.memory does not budget a second copy); a cancelled or failed one may still be
-        # touched by a late message while it winds down, so it keeps a snapshot
-        state = capture_state(service.executor, copy=not self._done)
+        state = capture_state(service.executor, copy=False)
         self.held_state = HeldState(self.role.first_layer, self.role.end_layer, state)
+
+    async def _hold_state(self) -> None:
+        """Keep the stage's state for the next plan, whether the run finished, failed or was cancelled.
+
+        It takes the live tensors over instead of copying them (`planning.memory` budgets no second
+        copy: a clone of parameters and Adam state OOM-killed 7 of 8 capped stages of bench_big_model).
+        That is safe only once nothing can change them: this runs after the service stopped serving
+        (no late forward or backward message), the averager closed (no late round), and on the compute
+        thread, behind any compute submitted before a cancellation (it still runs there).
+        """
+        logger.debug("memory at the end of training: %s", memory_snapshot().describe())
+        # cancelled again while this waits, the capture still runs on the compute thread and sets it
+        await run_in_compute_thread(self._capture)
+        logger.debug("memory after capture: %s", memory_snapshot().describe())
 
     async def _check_memory(self) -> None:
         """Raise `StageDoesNotFit` if this role's stage, for its window, exceeds this peer's memory."""
         job, role = self.job, self.role
         assert self.memory_available_bytes is not None
         profiles = await run_in_compute_thread(stage_profiles, job, role.first_layer, role.end_layer)
+        logger.debug("memory after the stage check: %s", memory_snapshot().describe())
         release_free_memory()
         params = job_params(job, num_layers=count_layers(job.model, job.model_params))
         params = params.model_copy(update={"max_in_flight": role.window})
@@ -309,7 +327,9 @@ class StageRunner(InPlaceMoves):
         adaptive = job.adaptive_window and job.schedule == "async_1f1b"
         if self.memory_available_bytes is not None:
             await self._check_memory()
+        logger.debug("memory before build: %s", memory_snapshot().describe())
         executor = build_stage(job, role.first_layer, role.end_layer, max_in_flight=role.window)
+        logger.info("memory after build: %s", memory_snapshot().describe())
         if self.initial_state is not None:
             self.restored = apply_state(executor, self.initial_state)
         self.service = service = StageService(
@@ -347,18 +367,20 @@ class StageRunner(InPlaceMoves):
             self._failure = f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            self._capture()
-            await self._tasks.aclose()
-            if not cancelled:
-                await self.publish_metrics(final=True)
-            elif role.is_first and self.dht is not None:
-                # handed over: the next plan resumes the data where this run stopped feeding it
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(_HANDOVER_PROGRESS_S):
-                        await publish_progress(self.dht, self.progress())
-            await service.aclose()
-            if self.replicas is not None:
-                await self.replicas.aclose()
+            try:
+                await self._tasks.aclose()
+                if not cancelled:
+                    await self.publish_metrics(final=True)
+                elif role.is_first and self.dht is not None:
+                    # handed over: the next plan resumes the data where this run stopped feeding it
+                    with contextlib.suppress(Exception):
+                        async with asyncio.timeout(_HANDOVER_PROGRESS_S):
+                            await publish_progress(self.dht, self.progress())
+                await service.aclose()
+                if self.replicas is not None:
+                    await self.replicas.aclose()
+            finally:
+                await self._hold_state()
         logger.info(
             "stage %d of cluster %d done in %.1fs",
             role.stage_index,

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,13 +27,16 @@ from ravnest_p2p.runtime.stage import StageExecutor
 from ravnest_p2p.training.checkpoint import (
     CheckpointAnnouncement,
     CheckpointConfig,
+    CheckpointFileSource,
     CheckpointWriter,
     announce_checkpoints,
+    write_checkpoint_file,
 )
 from ravnest_p2p.training.handover import (
     ExecutorSource,
     HandoverError,
     HandoverServer,
+    StateSource,
     StaticSource,
     fetch_state,
     list_state,
@@ -57,6 +63,7 @@ __all__ = [
     "attach_stage_state",
     "checkpoint_config_for",
     "init_from_checkpoint",
+    "snapshot_on_disk",
 ]
 
 logger = logging.getLogger(__name__)
@@ -126,16 +133,22 @@ class StageStateHook:
 
     async def rebase(self, epoch: int, allowed: Iterable[str]) -> None:
         """The stage keeps running on plan `epoch` (`training.continuity`): serve it live there to
-        `allowed`, and serve the old epoch as a snapshot taken now (a copy of the stage) to the old and new
-        members: the re-formed clusters' new owners fetch it as the old plan's state, and a live stage
-        that keeps training would change under their transfer (`handover.StateChanged`)."""
+        `allowed`, and serve the old epoch as a snapshot taken now to the old and new members: the
+        re-formed clusters' new owners fetch it as the old plan's state, and a live stage that keeps
+        training would change under their transfer (`handover.StateChanged`). The snapshot goes to disk
+        (`snapshot_on_disk`), not to a second copy of the stage in memory."""
         server = HandoverServer.of(self.rpc)
         progress = dict(self._progress()) if self._progress else None
-        snapshot = await run_in_compute_thread(capture_state, self.executor, progress=progress)
         old_epoch, members = self.epoch, self.allowed | frozenset(allowed)
-        server.publish(
-            self.job.job_id, StaticSource(snapshot, f"epoch-{old_epoch}"), epoch=old_epoch, allowed=members
-        )
+        try:
+            snapshot: StateSource = await run_in_compute_thread(
+                snapshot_on_disk, self.executor, self.job, epoch=old_epoch, progress=progress
+            )
+        except OSError as exc:  # e.g. a full disk: a copy in memory, as before
+            logger.warning("snapshot of epoch %d not written (%r): keeping a copy in memory", old_epoch, exc)
+            state = await run_in_compute_thread(capture_state, self.executor, progress=progress)
+            snapshot = StaticSource(state, f"epoch-{old_epoch}")
+        server.publish(self.job.job_id, snapshot, epoch=old_epoch, allowed=members)
         self.epoch, self.allowed = epoch, frozenset(allowed)
         server.publish(
             self.job.job_id, ExecutorSource(self.executor, self._progress), epoch=epoch, allowed=self.allowed
@@ -214,6 +227,42 @@ async def init_from_checkpoint(
         raise HandoverError(f"checkpoint does not fit stage [{first}, ...): {exc}") from None
     logger.info("stage [%d, ...) starts from checkpoint %s (%s)", first, init.state_digest[:12], init.mode)
     return len(state.tensors)
+
+
+def snapshot_on_disk(
+    executor: StageExecutor,
+    job: JobSpec,
+    *,
+    epoch: int,
+    progress: Mapping[str, int | float | str] | None = None,
+) -> CheckpointFileSource:
+    """The stage's state now, written to a temporary file and served from there, page by page.
+
+    Why: a copy in memory is a second full stage (parameters and optimizer state) on a peer whose cap
+    was planned for one; the file is written from the live tensors one at a time and pages are read
+    back by range (`CheckpointFileSource`). The file lives as long as the source: the server drops the
+    source once two newer epochs are published, and the directory goes with it (or at exit).
+    Call on the compute thread (the tensors must not change while they are written).
+    """
+    directory = Path(tempfile.mkdtemp(prefix="ravnest-snapshot-"))
+    first = executor.config.first_layer_index
+    try:
+        path = write_checkpoint_file(
+            directory / f"epoch-{epoch}.safetensors",
+            live_tensors(executor),
+            job=job,
+            step=executor.num_steps,
+            first_layer=first,
+            end_layer=first + len(executor.module),
+            meta=capture_meta(executor, progress),
+            progress=progress,
+        )
+        source = CheckpointFileSource(path)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    weakref.finalize(source, shutil.rmtree, directory, True)
+    return source
 
 
 def _scalars(values: Mapping[str, Any]) -> dict[str, int | float | str]:
