@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import RESULTS_DIR, record
+from benchmarks.labrun import start_lab_peers
 from ravnest_p2p.lab import NetnsLab, parse_profile
 from ravnest_p2p.lab.peer_presets import FAST_MEMBERSHIP_PEER_CONFIG
-from ravnest_p2p.lab.throttle import base_cpus_to_fit, thread_env
+from ravnest_p2p.lab.throttle import ComputeThrottle, base_cpus_to_fit, thread_env
 from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.swarm import poll_until
 from ravnest_p2p.training.job import JobSpec
@@ -72,7 +73,7 @@ def bench_job(steps: int) -> JobSpec:
 
 
 def run_lab(
-    workdir: Path, *, steps: int, runs: list[str], cpus: float, straggler_owns: str
+    workdir: Path, *, steps: int, runs: list[str], cpus: float, straggler_owns: str, prefix: str
 ) -> dict[str, Any]:
     """Start the lab and the peers, drive `runs`, return the driver's results, timings and load."""
     slowdowns = [1.0] * (NUM_PEERS - 1) + [SLOWDOWN]
@@ -87,32 +88,19 @@ def run_lab(
     base_cpus = base_cpus_to_fit(slowdowns, num_cpus=cpus)
     out = workdir / "driver.json"
     loadavg: list[float] = []
-    with NetnsLab(profile, prefix="rvbk" + os.urandom(2).hex()) as lab:
-        throttles = []
-        maddrs = [f"/ip4/{lab.address_of(i)}/tcp/{PORT}/p2p/{ids[i].peer_id}" for i in range(NUM_PEERS)]
+    with NetnsLab(profile, prefix=prefix) as lab:
+        throttles: list[ComputeThrottle] = []
         try:
-            for i in range(NUM_PEERS):
-                throttle = lab.throttle_for(i, base_cpus=base_cpus)
-                throttle.create()
-                throttles.append(throttle)
-                addr = f"/ip4/{lab.address_of(i)}/tcp/{PORT}"
-                argv = [sys.executable, "-m", "ravnest_p2p.peer", "--run-id", "bkl", "--config", str(config)]
-                argv += [
-                    "--identity-path",
-                    str(ids[i].path),
-                    "--host-maddrs",
-                    addr,
-                    "--announce-maddrs",
-                    addr,
-                ]
-                if i > 0:
-                    argv += ["--initial-peers", maddrs[0]]
-                log = workdir / f"peer{i}.log"
-                lab.run_in_ns(i, argv, env=thread_env(1), log_path=log, throttle=throttle)
-                if i == 0:
-                    poll_until(
-                        lambda path=log: "join with" in path.read_text(errors="replace"), 120, what="peer 0"
-                    )
+            maddrs = start_lab_peers(
+                lab,
+                ids,
+                run_id="bkl",
+                port=PORT,
+                base_cpus=base_cpus,
+                workdir=workdir,
+                config_path=config,
+                throttles=throttles,
+            )
             argv = [sys.executable, "-m", "benchmarks.backup_lab_driver", "--initial-peers", *maddrs]
             argv += [
                 "--run-id",
@@ -259,6 +247,7 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", nargs="+", default=["b1", "b0", "async"])
     parser.add_argument("--straggler-owns", choices=("yes", "no"), default="no")
     parser.add_argument("--name", default="backup_workers_lab")
+    parser.add_argument("--prefix", default="rvbk", help="lab namespace prefix (a random suffix is added)")
     args = parser.parse_args(argv if argv is not None else [])
     if os.geteuid() != 0:
         print("bench_backup_lab needs root (network namespaces); skipped", flush=True)
@@ -266,7 +255,12 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="ravnest-bkl-") as tmp:
         started = time.time()
         lab = run_lab(
-            Path(tmp), steps=args.steps, runs=args.runs, cpus=args.cpus, straggler_owns=args.straggler_owns
+            Path(tmp),
+            steps=args.steps,
+            runs=args.runs,
+            cpus=args.cpus,
+            straggler_owns=args.straggler_owns,
+            prefix=args.prefix + os.urandom(2).hex(),
         )
     rows = summarise(lab)
     for row in rows:
