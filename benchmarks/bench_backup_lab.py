@@ -73,7 +73,14 @@ def bench_job(steps: int) -> JobSpec:
 
 
 def run_lab(
-    workdir: Path, *, steps: int, runs: list[str], cpus: float, straggler_owns: str, prefix: str
+    workdir: Path,
+    *,
+    steps: int,
+    runs: list[str],
+    cpus: float,
+    straggler_owns: str,
+    prefix: str,
+    cpu_period_us: int | None = None,
 ) -> dict[str, Any]:
     """Start the lab and the peers, drive `runs`, return the driver's results, timings and load."""
     slowdowns = [1.0] * (NUM_PEERS - 1) + [SLOWDOWN]
@@ -100,6 +107,7 @@ def run_lab(
                 workdir=workdir,
                 config_path=config,
                 throttles=throttles,
+                cpu_period_us=cpu_period_us,
             )
             argv = [sys.executable, "-m", "benchmarks.backup_lab_driver", "--initial-peers", *maddrs]
             argv += [
@@ -248,6 +256,7 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
     parser.add_argument("--straggler-owns", choices=("yes", "no"), default="no")
     parser.add_argument("--name", default="backup_workers_lab")
     parser.add_argument("--prefix", default="rvbk", help="lab namespace prefix (a random suffix is added)")
+    parser.add_argument("--cpu-period-ms", type=float, default=100.0, help="the cgroups' CFS period")
     args = parser.parse_args(argv if argv is not None else [])
     if os.geteuid() != 0:
         print("bench_backup_lab needs root (network namespaces); skipped", flush=True)
@@ -261,6 +270,7 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
             cpus=args.cpus,
             straggler_owns=args.straggler_owns,
             prefix=args.prefix + os.urandom(2).hex(),
+            cpu_period_us=round(args.cpu_period_ms * 1000),
         )
     rows = summarise(lab)
     for row in rows:
@@ -273,7 +283,8 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
             f"{SLOWDOWN:g}; digits_cnn (channels 32, 64), batch 1024 per worker, Adam 1e-3,",
             f"{args.steps} steps per run, runs {args.runs} on the same peers in one lab session",
             f"({time.time() - started:.0f} s). CPU: the five cgroup quotas take {args.cpus:g} CPU together",
-            f"(fast peer {fast_cpu:.3f}, straggler {slow_cpu:.3f} CPU), one compute thread each. Host",
+            f"(fast peer {fast_cpu:.3f}, straggler {slow_cpu:.3f} CPU; CFS period {args.cpu_period_ms:g} ms),",
+            "one compute thread each. Host",
             f"1-min load during the run: median {statistics.median(load):.1f}, max {max(load):.1f} on",
             f"{os.cpu_count()} CPUs (other sessions). step_s: train-loop wall time / steps, mean over the",
             f"fast workers (async: per {NUM_REQUIRED} gradients applied). worker_gradient_s: each worker's",

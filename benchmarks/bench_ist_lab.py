@@ -38,7 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.ist_lab_replay import replay
+from benchmarks.harness import RESULTS_DIR
+from benchmarks.ist_lab_replay import cached_replays
 from benchmarks.ist_lab_report import write_report
 from benchmarks.labrun import start_lab_peers
 from ravnest_p2p.lab import NetnsLab, parse_profile
@@ -142,14 +143,17 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", nargs="+", default=["ist", "dp", "local"])
     parser.add_argument("--cpus", type=float, default=1.0, help="CPU the n peers' quotas take together")
     parser.add_argument("--name", default="ist_lab")
+    parser.add_argument("--from-raw", action="store_true", help="report from <name>_raw.json, no lab")
+    parser.add_argument("--replay-cache", type=Path, help="replays of this job (`ist_lab_replay --out`)")
     args = parser.parse_args(argv if argv is not None else [])
-    if os.geteuid() != 0:
+    if os.geteuid() != 0 and not args.from_raw:
         print("bench_ist_lab needs root (network namespaces); skipped", flush=True)
         return
     job = bench_job(args.width, args.epochs)
     started = time.time()
-    cells = []
-    for cell in args.cells:
+    raw = RESULTS_DIR / f"{args.name}_raw.json"
+    cells = json.loads(raw.read_text())["cells"] if args.from_raw else []
+    for cell in [] if args.from_raw else args.cells:
         n, rate = (float(x) for x in cell.split("x"))
         with tempfile.TemporaryDirectory(prefix="ravnest-modes2-") as tmp:
             cells.append(
@@ -158,11 +162,10 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
         load = cells[-1]["loadavg"]
         print(json.dumps({"cell": cell, "wall_s": round(cells[-1]["wall_s"]), "load": max(load)}), flush=True)
     lab_s = time.time() - started
-    curves = {}
-    for n in sorted({c["n"] for c in cells}):
-        for mode in args.runs:
-            curves[f"{mode}/{n}"] = replay(job, mode, n, LOCAL_STEPS)
-            print(json.dumps({"replayed": f"{mode}/{n}", "final": curves[f"{mode}/{n}"][-1]}), flush=True)
+    if not args.from_raw:  # the lab's raw results first: the report can be redone from them
+        raw.write_text(json.dumps({"cells": cells}) + "\n")
+    sizes = sorted({c["n"] for c in cells})
+    curves = cached_replays(job, args.runs, sizes, LOCAL_STEPS, args.replay_cache)
     load = [x for c in cells for x in c["loadavg"]]
     meta = {
         "job": json.loads(job.model_dump_json()),

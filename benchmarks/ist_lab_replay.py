@@ -18,7 +18,10 @@ The lab's final held-out accuracy is reported beside the replay's last point as 
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -31,7 +34,7 @@ from ravnest_p2p.training.sync_compute import step_push
 from ravnest_p2p.training.sync_report import evaluate
 from ravnest_p2p.training.sync_shard import SyncBatches, sync_final_step
 
-__all__ = ["replay"]
+__all__ = ["cached_replays", "replay", "replay_all"]
 
 
 def replay(job: JobSpec, mode: str, n: int, k: int) -> list[tuple[int, float]]:
@@ -94,3 +97,45 @@ def replay(job: JobSpec, mode: str, n: int, k: int) -> list[tuple[int, float]]:
         if (step + 1) % every == 0 or step + 1 == num_syncs:
             out.append((step + 1, evaluate(models[0], held_out, loss_fn, job.eval_batch_size)[1]))
     return out
+
+
+Curves = dict[str, list[tuple[int, float]]]
+
+
+def replay_all(job: JobSpec, modes: list[str], sizes: list[int], k: int) -> Curves:
+    """`replay` of every mode and worker count, keyed ``mode/n``."""
+    return {f"{mode}/{n}": replay(job, mode, n, k) for n in sizes for mode in modes}
+
+
+def cached_replays(job: JobSpec, modes: list[str], sizes: list[int], k: int, cache: Path | None) -> Curves:
+    """`replay_all`, read from `cache` when it holds the same job and K (else computed and written)."""
+    key = {"job": json.loads(job.model_dump_json()), "k": k}
+    if cache is not None and cache.exists():
+        stored = json.loads(cache.read_text())
+        curves = stored["curves"]
+        if stored["key"] == key and all(f"{m}/{n}" in curves for m in modes for n in sizes):
+            return {name: [(int(s), float(a)) for s, a in points] for name, points in curves.items()}
+    curves = replay_all(job, modes, sizes, k)
+    if cache is not None:
+        cache.write_text(json.dumps({"key": key, "curves": curves}))
+    return curves
+
+
+def main() -> None:
+    """Precompute the replays of `bench_ist_lab`'s job into a cache file (``--replay-cache`` there)."""
+    from benchmarks.bench_ist_lab import LOCAL_STEPS, bench_job
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ist_lab_replay")
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    cached_replays(
+        bench_job(args.width, args.epochs), ["ist", "dp", "local"], args.sizes, LOCAL_STEPS, args.out
+    )
+
+
+if __name__ == "__main__":
+    main()

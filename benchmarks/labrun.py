@@ -135,18 +135,20 @@ def start_lab_peers(
     config_path: Path | None = None,
     throttles: list[ComputeThrottle],
     ready_timeout_s: float = 120,
+    cpu_period_us: int | None = None,
 ) -> list[str]:
     """Start ``python -m ravnest_p2p.peer`` i in lab namespace i (CPU-capped, one compute thread).
 
     Peer 0 bootstraps the run (we wait until its log says it joined), the others join through it.
     Every throttle created is appended to `throttles` at once, so the caller closes them even when a
-    later start fails. Logs go to ``workdir/peer<i>.log``. Returns the peers' multiaddrs.
+    later start fails. Logs go to ``workdir/peer<i>.log``; ``cpu_period_us`` is the cgroups' CFS period
+    (None: 100 ms). Returns the peers' multiaddrs.
     """
     maddrs = [
         f"/ip4/{lab.address_of(i)}/tcp/{port}/p2p/{identity.peer_id}" for i, identity in enumerate(identities)
     ]
     for i, identity in enumerate(identities):
-        throttle = lab.throttle_for(i, base_cpus=base_cpus)
+        throttle = lab.throttle_for(i, base_cpus=base_cpus, period_us=cpu_period_us)
         throttle.create()
         throttles.append(throttle)
         addr = f"/ip4/{lab.address_of(i)}/tcp/{port}"

@@ -275,7 +275,9 @@ class NetnsLab:
             match = ["u32", "match", "ip", "dst", f"{lab_address(j)}/32", "flowid", classid]
             run(["tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", *match])
 
-    def throttle_for(self, peer: int | str, *, base_cpus: float) -> ComputeThrottle:
+    def throttle_for(
+        self, peer: int | str, *, base_cpus: float, period_us: int | None = None
+    ) -> ComputeThrottle:
         """A (not yet created) `ComputeThrottle` for the peer's ``compute_slowdown`` and ``memory_gb``.
 
         Named ``<prefix>-<index>`` so that `down` removes its cgroups even after a crash. Use it for
@@ -285,12 +287,14 @@ class NetnsLab:
         Args:
             peer: peer index or profile name.
             base_cpus: CPU share of a full-speed peer; this peer gets ``base_cpus / compute_slowdown``.
+            period_us: the CFS period (None: the throttle's default, 100 ms).
         """
         i = self._index(peer)
         spec = self.profile.peers[i]
         name = f"{self.prefix}-{i}"
+        extra = {"period_us": period_us} if period_us is not None else {}
         return ComputeThrottle(
-            name=name, slowdown=spec.compute_slowdown, base_cpus=base_cpus, memory_gb=spec.memory_gb
+            name=name, slowdown=spec.compute_slowdown, base_cpus=base_cpus, memory_gb=spec.memory_gb, **extra
         )
 
     def run_in_ns(
