@@ -81,6 +81,7 @@ def run_lab(
     straggler_owns: str,
     prefix: str,
     cpu_period_us: int | None = None,
+    balanced: str = "no",
 ) -> dict[str, Any]:
     """Start the lab and the peers, drive `runs`, return the driver's results, timings and load."""
     slowdowns = [1.0] * (NUM_PEERS - 1) + [SLOWDOWN]
@@ -119,7 +120,7 @@ def run_lab(
                 ids[-1].peer_id,
             ]
             argv += ["--job", bench_job(steps).model_dump_json(), "--runs", *runs, "--out", str(out)]
-            argv += ["--straggler-owns", straggler_owns]
+            argv += ["--straggler-owns", straggler_owns, "--balanced", balanced]
             driver = lab.run_in_ns(
                 NUM_PEERS, argv, env=thread_env(1), log_path=workdir / "driver.log", cwd=REPO
             )
@@ -257,6 +258,7 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="backup_workers_lab")
     parser.add_argument("--prefix", default="rvbk", help="lab namespace prefix (a random suffix is added)")
     parser.add_argument("--cpu-period-ms", type=float, default=100.0, help="the cgroups' CFS period")
+    parser.add_argument("--balanced", choices=("yes", "no"), default="no", help="one shard per owner")
     args = parser.parse_args(argv if argv is not None else [])
     if os.geteuid() != 0:
         print("bench_backup_lab needs root (network namespaces); skipped", flush=True)
@@ -271,6 +273,7 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
             straggler_owns=args.straggler_owns,
             prefix=args.prefix + os.urandom(2).hex(),
             cpu_period_us=round(args.cpu_period_ms * 1000),
+            balanced=args.balanced,
         )
     rows = summarise(lab)
     for row in rows:
@@ -293,7 +296,7 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
             f"statistic); nth_of_means_s: the {NUM_REQUIRED}-th of the per-worker means. Goals: b1",
             "step_over_nth <= 1.1, step_reduction_vs_b0 >= 0.30, |accuracy_minus_b0_points| <= 0.5",
             "(held-out set of 360: one sample is 0.28 point). The straggler owns a shard:",
-            f"{args.straggler_owns}.",
+            f"{args.straggler_owns}. One shard per owner (balanced layout): {args.balanced}.",
         ]
     )
     record(args.name, rows, notes=notes)

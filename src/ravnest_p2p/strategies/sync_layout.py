@@ -8,13 +8,13 @@ keep the shards they own (their aggregation state stays valid) and only the dead
 Choices.
 - Shards: parameter tensors, packed largest first into the currently smallest shard (ties by shard
   index), so shards carry similar byte counts; names keep model order inside a shard. A tensor larger
-  than both a fair shard (model bytes / shards) and `MIN_PIECE_BYTES` is first cut into equal row
-  ranges (`row_pieces`, named ``name[start:end]``): one 2048x2048 matrix holds 96 % of a wide MLP,
-  and whole tensors put it on one owner, which then receives (N + b - 1) x 16.8 MB per step while the
-  others idle; in digits_cnn one 256 KB matrix is 77 % of the model, and its owner's link set the
-  step's exchange time on the lab. A row range of a contiguous tensor is a contiguous view, so the
-  worker slices without copies, and every optimizer we offer is element-wise, so stepping the pieces is
-  stepping the tensor. Tensors up to 64 KiB stay whole (a message per piece costs more than it saves).
+  than `MIN_PIECE_BYTES` and a quarter of a fair shard (model bytes / shards) is first cut into row
+  ranges of about that quarter (`row_pieces`, named ``name[start:end]``): one 2048x2048 matrix holds
+  96 % of a wide MLP, and whole tensors put it on one owner, which then receives (N + b - 1) x 16.8 MB
+  per step while the others idle; in digits_cnn one 256 KB matrix is 77 % of the model, and its
+  owner's link set the step's exchange time on the lab. A row range of a contiguous tensor is a
+  contiguous view, so the worker slices without copies, and every optimizer we offer is element-wise,
+  so stepping the pieces is stepping the tensor. Tensors up to 64 KiB stay whole.
 - Owners: rendezvous (highest-random-weight) hashing of (job, shard) over the live workers. Removing a
   worker moves only the shards it owned, each to the worker with the next-highest weight, which every
   peer computes alike from the same dead set. A round-robin by worker index would move almost every
@@ -66,10 +66,12 @@ class RowPiece:
 def row_pieces(
     shapes: Mapping[str, tuple[int, int]], num_shards: int, *, min_piece_bytes: int = MIN_PIECE_BYTES
 ) -> list[RowPiece]:
-    """Cut the tensors (name -> (bytes, rows), model order) bigger than a fair shard into row ranges.
+    """Cut the tensors (name -> (bytes, rows), model order) above `min_piece_bytes` into row ranges.
 
-    A tensor of B bytes and R >= 2 rows with B > max(total / num_shards, min_piece_bytes) becomes
-    ceil(B / that) (at most R) ranges of near-equal row counts; every other tensor is one piece, named
+    The target piece is a quarter of a fair shard (total / num_shards / 4): fine enough that packing
+    largest first evens the shards out (a shard's pieces travel in one message, so finer pieces cost no
+    extra messages). A tensor of B bytes and R >= 2 rows with B > max(target, min_piece_bytes) becomes
+    ceil(B / target) (at most R) ranges of near-equal row counts; every other tensor is one piece, named
     as the tensor. Pieces come in model order.
 
     Raises:
@@ -78,10 +80,10 @@ def row_pieces(
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     total = sum(size for size, _ in shapes.values())
-    limit = max(-(-total // num_shards), min_piece_bytes)
+    target = max(1, -(-total // (4 * num_shards)))
     pieces = []
     for name, (size, rows) in shapes.items():
-        count = min(rows, -(-size // limit)) if size > limit and rows >= 2 else 1
+        count = min(rows, -(-size // target)) if size > max(target, min_piece_bytes) and rows >= 2 else 1
         if count == 1:
             pieces.append(RowPiece(name, name, 0, rows))
             continue

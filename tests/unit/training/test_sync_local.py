@@ -21,12 +21,13 @@ from tests.unit.training.test_sync_backup import _reference, _runners
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_row_pieces_cut_only_the_tensors_larger_than_a_fair_shard() -> None:
+def test_row_pieces_cut_the_large_tensors_into_quarters_of_a_fair_shard() -> None:
     shapes = {"big": (16_000, 100), "small": (1_000, 10), "bias": (400, 100)}
-    pieces = row_pieces(shapes, 4, min_piece_bytes=100)  # fair shard: 4350 bytes
+    pieces = row_pieces(shapes, 1, min_piece_bytes=100)  # a quarter of the only shard: 4350 bytes
     names = [p.name for p in pieces]
     assert names == ["big[0:25]", "big[25:50]", "big[50:75]", "big[75:100]", "small", "bias"]
     assert [(p.tensor, p.start, p.end) for p in pieces[:2]] == [("big", 0, 25), ("big", 25, 50)]
+    assert len(row_pieces(shapes, 4, min_piece_bytes=100)) == 15 + 2  # pieces of <= 1088 bytes
     # the minimum keeps small models whole; one row cannot be cut
     assert [p.name for p in row_pieces(shapes, 4)] == ["big", "small", "bias"]
     assert [p.name for p in row_pieces({"v": (10_000, 1)}, 4, min_piece_bytes=1)] == ["v"]
