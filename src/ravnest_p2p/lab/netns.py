@@ -62,7 +62,7 @@ from typing import Any
 
 from ravnest_p2p.lab._procs import entering_pids, kill_groups, run
 from ravnest_p2p.lab.profiles import PeerProfile, ShapingMode, SwarmProfile
-from ravnest_p2p.lab.throttle import ComputeThrottle, ThrottleBackend, remove_groups
+from ravnest_p2p.lab.throttle import DEFAULT_PERIOD_US, ComputeThrottle, ThrottleBackend, remove_groups
 
 __all__ = ["NetnsLab", "lab_address", "remove_leftovers"]
 
@@ -292,9 +292,12 @@ class NetnsLab:
         i = self._index(peer)
         spec = self.profile.peers[i]
         name = f"{self.prefix}-{i}"
-        extra = {"period_us": period_us} if period_us is not None else {}
         return ComputeThrottle(
-            name=name, slowdown=spec.compute_slowdown, base_cpus=base_cpus, memory_gb=spec.memory_gb, **extra
+            name=name,
+            slowdown=spec.compute_slowdown,
+            base_cpus=base_cpus,
+            memory_gb=spec.memory_gb,
+            period_us=period_us if period_us is not None else DEFAULT_PERIOD_US,
         )
 
     def run_in_ns(

@@ -57,6 +57,7 @@ from types import TracebackType
 from ravnest_p2p.lab._procs import signal_group
 
 __all__ = [
+    "DEFAULT_PERIOD_US",
     "ComputeThrottle",
     "ThrottleBackend",
     "base_cpus_to_fit",
@@ -67,7 +68,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_PERIOD_US = 100_000
+DEFAULT_PERIOD_US = 100_000  # the CFS bandwidth period of a throttle's cgroup
+_PERIOD_US = DEFAULT_PERIOD_US
 _REMOVE_TIMEOUT_S = 10.0  # waiting for killed processes to leave their groups
 # 8x the default weight: see "under load" in the module docstring. Harmless to others: the quota caps
 # what the weight can win.
@@ -227,7 +229,7 @@ class ComputeThrottle:
         base_cpus: float = 1.0,
         memory_gb: float | None = None,
         backend: ThrottleBackend | None = None,
-        period_us: int = _PERIOD_US,
+        period_us: int = DEFAULT_PERIOD_US,
     ) -> None:
         if not _NAME_RE.match(name):
             raise ValueError(f"throttle name {name!r} must match {_NAME_RE.pattern}")
