@@ -82,13 +82,14 @@ def run_lab(
     prefix: str,
     cpu_period_us: int | None = None,
     balanced: str = "no",
+    run_id: str = "bkl",
 ) -> dict[str, Any]:
     """Start the lab and the peers, drive `runs`, return the driver's results, timings and load."""
     slowdowns = [1.0] * (NUM_PEERS - 1) + [SLOWDOWN]
     link = {"upload_mbps": LINK_MBPS, "download_mbps": LINK_MBPS}
     peers = [{"name": f"w{i}", "compute_slowdown": k, **link} for i, k in enumerate(slowdowns)]
     profile = parse_profile(
-        {"run_id": "bkl", "shaping": "htb", "peers": [*peers, {"name": "researcher", **link}]}, source="bench"
+        {"run_id": run_id, "shaping": "htb", "peers": [*peers, {"name": "researcher", **link}]}, source="bench"
     )
     ids = [load_or_create_identity(workdir / f"id{i}.key") for i in range(NUM_PEERS)]
     config = workdir / "peer.toml"
@@ -102,7 +103,7 @@ def run_lab(
             maddrs = start_lab_peers(
                 lab,
                 ids,
-                run_id="bkl",
+                run_id=run_id,
                 port=PORT,
                 base_cpus=base_cpus,
                 workdir=workdir,
@@ -113,7 +114,7 @@ def run_lab(
             argv = [sys.executable, "-m", "benchmarks.backup_lab_driver", "--initial-peers", *maddrs]
             argv += [
                 "--run-id",
-                "bkl",
+                run_id,
                 "--workers",
                 *[i.peer_id for i in ids],
                 "--straggler",
@@ -256,7 +257,8 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", nargs="+", default=["b1", "b0", "async"])
     parser.add_argument("--straggler-owns", choices=("yes", "no"), default="no")
     parser.add_argument("--name", default="backup_workers_lab")
-    parser.add_argument("--prefix", default="rvbk", help="lab namespace prefix (a random suffix is added)")
+    parser.add_argument("--prefix", default="rvbk", help="lab namespace prefix (random hex up to 8 chars)")
+    parser.add_argument("--run-id", default="bkl")
     parser.add_argument("--cpu-period-ms", type=float, default=100.0, help="the cgroups' CFS period")
     parser.add_argument("--balanced", choices=("yes", "no"), default="no", help="one shard per owner")
     args = parser.parse_args(argv if argv is not None else [])
@@ -271,7 +273,8 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
             runs=args.runs,
             cpus=args.cpus,
             straggler_owns=args.straggler_owns,
-            prefix=args.prefix + os.urandom(2).hex(),
+            prefix=args.prefix + os.urandom(4).hex()[: max(0, 8 - len(args.prefix))],
+            run_id=args.run_id,
             cpu_period_us=round(args.cpu_period_ms * 1000),
             balanced=args.balanced,
         )
