@@ -88,9 +88,8 @@ def run_lab(
     slowdowns = [1.0] * (NUM_PEERS - 1) + [SLOWDOWN]
     link = {"upload_mbps": LINK_MBPS, "download_mbps": LINK_MBPS}
     peers = [{"name": f"w{i}", "compute_slowdown": k, **link} for i, k in enumerate(slowdowns)]
-    profile = parse_profile(
-        {"run_id": run_id, "shaping": "htb", "peers": [*peers, {"name": "researcher", **link}]}, source="bench"
-    )
+    lab_peers = [*peers, {"name": "researcher", **link}]
+    profile = parse_profile({"run_id": run_id, "shaping": "htb", "peers": lab_peers}, source="bench")
     ids = [load_or_create_identity(workdir / f"id{i}.key") for i in range(NUM_PEERS)]
     config = workdir / "peer.toml"
     config.write_text(FAST_MEMBERSHIP_PEER_CONFIG)
