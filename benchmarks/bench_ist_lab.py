@@ -8,8 +8,9 @@ the same peers, the three jobs of the cell:
 
 - ``ist``: mode ist, n workers, K local steps per round;
 - ``dp``: synchronous data parallel = mode sync_backup with N = n, b = 0 (every step each worker pushes
-  its gradient's pieces to their owners and gets the averaged update back: (n - 1)/n of the model each
-  way per step, what a ring all-reduce moves too);
+  its gradient's pieces to their owners, gets the averaged update back, and as an owner receives the
+  others' pieces of its shard and sends the update: 2(n - 1)/n of the model each way per step, what a
+  ring all-reduce moves too);
 - ``local``: local SGD with the same K = mode sync_backup with N = n, b = 0 and local_steps K (model
   averaging every K steps).
 
@@ -56,6 +57,7 @@ PORT = 31391
 RUN_ID = "ist-modes2"
 LOCAL_STEPS = 5
 LR = 0.05
+_FROM_RAW = "--from-raw"
 _TIMING = re.compile(r"(sync|ist) timing (\{.*\})")
 
 
@@ -143,7 +145,7 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", nargs="+", default=["ist", "dp", "local"])
     parser.add_argument("--cpus", type=float, default=1.0, help="CPU the n peers' quotas take together")
     parser.add_argument("--name", default="ist_lab")
-    parser.add_argument("--from-raw", action="store_true", help="report from <name>_raw.json, no lab")
+    parser.add_argument(_FROM_RAW, action="store_true", help="report from <name>_raw.json, no lab")
     parser.add_argument("--replay-cache", type=Path, help="replays of this job (`ist_lab_replay --out`)")
     args = parser.parse_args(argv if argv is not None else [])
     if os.geteuid() != 0 and not args.from_raw:
@@ -167,15 +169,16 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
     sizes = sorted({c["n"] for c in cells})
     curves = cached_replays(job, args.runs, sizes, LOCAL_STEPS, args.replay_cache)
     load = [x for c in cells for x in c["loadavg"]]
+    flags = [a for a in argv or [] if a != _FROM_RAW]
     meta = {
         "job": json.loads(job.model_dump_json()),
         "local_steps": LOCAL_STEPS,
         "cpus": args.cpus,
-        "lab_s": round(lab_s),
+        "lab_s": round(sum(c["wall_s"] for c in cells)),
         "replay_s": round(time.time() - started - lab_s),
         "load_median": statistics.median(load) if load else None,
         "load_max": max(load) if load else None,
-        "command": "python -m benchmarks.bench_ist_lab " + " ".join(argv or []),
+        "command": " ".join(["python -m benchmarks.bench_ist_lab", *flags]),
     }
     write_report(args.name, cells, curves, meta)
 

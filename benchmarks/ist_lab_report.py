@@ -5,9 +5,11 @@ Per job: the training time is the workers' train loop (sync_backup: from the sta
 step; IST: every round without round 0's pull, which only waits for the others to start, plus the final
 gather of the whole model), averaged over the workers; the time of sync i is the workers' mean
 cumulative step (round) time. Bytes are what the worker's lab interface sent plus received during the
-job (publication to the last worker's done), less the swarm's background traffic (DHT, membership
-gossip) measured idle before the first job, spread evenly over the job's syncs (IST's final gather
-included, which charges IST a little early). Accuracy after sync i comes from the replay.
+job (publication to the last worker's done; TCP/IP and libp2p framing and the swarm's background
+traffic included), spread evenly over the job's syncs (IST's final gather included, which charges IST
+a little early). The background column is an estimate for information only (the rate seen in 5 idle
+seconds before the first job, start-up probes included, times the job's duration): it is not
+subtracted. Accuracy after sync i comes from the replay.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def summarise(cell: dict[str, Any], curves: dict[str, list[tuple[int, float]]]) 
         timings = [t for t in cell["timings"] if t["job_id"] == result["job_id"] and t["kind"] == kind]
         times, train_s = _times(timings, kind)
         wire_mb, idle_mb = _wire_mb(result, n)
-        net_mb = max(0.0, wire_mb - idle_mb)
+        net_mb = wire_mb  # the background estimate is too rough to subtract (see module docstring)
         curve = curves[f"{run}/{n}"]
         syncs = len(times)
         points = []
@@ -139,7 +141,7 @@ def markdown(rows: list[dict[str, Any]], cmps: list[dict[str, Any]], meta: dict[
         f"K = {meta['local_steps']} (IST round, local SGD period). Peers CPU-capped to {meta['cpus']:g} CPU together",
         "(one compute thread each); htb links at the cell's rate both ways. Host load (1 min, 2 CPUs, other",
         f"sessions): median {meta['load_median']:.1f}, max {meta['load_max']:.1f}. Lab {meta['lab_s']} s, replay",
-        f"{meta['replay_s']} s. See benchmarks/ist_lab_report.py for the definitions.",
+        f"{meta['replay_s']} s (cached). Definitions: benchmarks/ist_lab_report.py. MB: sent + received per worker.",
         "",
         "| n | Mbit/s | mode | syncs | train s | job wall s | MB / worker | background MB | acc (lab) | acc (replay) | "
         + " | ".join(f"s to {t}" for t in TARGETS)
