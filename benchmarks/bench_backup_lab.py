@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import RESULTS_DIR, record
+from benchmarks.labrun import start_lab_peers
 from ravnest_p2p.lab import NetnsLab, parse_profile
 from ravnest_p2p.lab.peer_presets import FAST_MEMBERSHIP_PEER_CONFIG
-from ravnest_p2p.lab.throttle import base_cpus_to_fit, thread_env
+from ravnest_p2p.lab.throttle import ComputeThrottle, base_cpus_to_fit, thread_env
 from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.swarm import poll_until
 from ravnest_p2p.training.job import JobSpec
@@ -72,58 +73,54 @@ def bench_job(steps: int) -> JobSpec:
 
 
 def run_lab(
-    workdir: Path, *, steps: int, runs: list[str], cpus: float, straggler_owns: str
+    workdir: Path,
+    *,
+    steps: int,
+    runs: list[str],
+    cpus: float,
+    straggler_owns: str,
+    prefix: str,
+    cpu_period_us: int | None = None,
+    balanced: str = "no",
+    run_id: str = "bkl",
 ) -> dict[str, Any]:
     """Start the lab and the peers, drive `runs`, return the driver's results, timings and load."""
     slowdowns = [1.0] * (NUM_PEERS - 1) + [SLOWDOWN]
     link = {"upload_mbps": LINK_MBPS, "download_mbps": LINK_MBPS}
     peers = [{"name": f"w{i}", "compute_slowdown": k, **link} for i, k in enumerate(slowdowns)]
-    profile = parse_profile(
-        {"run_id": "bkl", "shaping": "htb", "peers": [*peers, {"name": "researcher", **link}]}, source="bench"
-    )
+    lab_peers = [*peers, {"name": "researcher", **link}]
+    profile = parse_profile({"run_id": run_id, "shaping": "htb", "peers": lab_peers}, source="bench")
     ids = [load_or_create_identity(workdir / f"id{i}.key") for i in range(NUM_PEERS)]
     config = workdir / "peer.toml"
     config.write_text(FAST_MEMBERSHIP_PEER_CONFIG)
     base_cpus = base_cpus_to_fit(slowdowns, num_cpus=cpus)
     out = workdir / "driver.json"
     loadavg: list[float] = []
-    with NetnsLab(profile, prefix="rvbk" + os.urandom(2).hex()) as lab:
-        throttles = []
-        maddrs = [f"/ip4/{lab.address_of(i)}/tcp/{PORT}/p2p/{ids[i].peer_id}" for i in range(NUM_PEERS)]
+    with NetnsLab(profile, prefix=prefix) as lab:
+        throttles: list[ComputeThrottle] = []
         try:
-            for i in range(NUM_PEERS):
-                throttle = lab.throttle_for(i, base_cpus=base_cpus)
-                throttle.create()
-                throttles.append(throttle)
-                addr = f"/ip4/{lab.address_of(i)}/tcp/{PORT}"
-                argv = [sys.executable, "-m", "ravnest_p2p.peer", "--run-id", "bkl", "--config", str(config)]
-                argv += [
-                    "--identity-path",
-                    str(ids[i].path),
-                    "--host-maddrs",
-                    addr,
-                    "--announce-maddrs",
-                    addr,
-                ]
-                if i > 0:
-                    argv += ["--initial-peers", maddrs[0]]
-                log = workdir / f"peer{i}.log"
-                lab.run_in_ns(i, argv, env=thread_env(1), log_path=log, throttle=throttle)
-                if i == 0:
-                    poll_until(
-                        lambda path=log: "join with" in path.read_text(errors="replace"), 120, what="peer 0"
-                    )
+            maddrs = start_lab_peers(
+                lab,
+                ids,
+                run_id=run_id,
+                port=PORT,
+                base_cpus=base_cpus,
+                workdir=workdir,
+                config_path=config,
+                throttles=throttles,
+                cpu_period_us=cpu_period_us,
+            )
             argv = [sys.executable, "-m", "benchmarks.backup_lab_driver", "--initial-peers", *maddrs]
             argv += [
                 "--run-id",
-                "bkl",
+                run_id,
                 "--workers",
                 *[i.peer_id for i in ids],
                 "--straggler",
                 ids[-1].peer_id,
             ]
             argv += ["--job", bench_job(steps).model_dump_json(), "--runs", *runs, "--out", str(out)]
-            argv += ["--straggler-owns", straggler_owns]
+            argv += ["--straggler-owns", straggler_owns, "--balanced", balanced]
             driver = lab.run_in_ns(
                 NUM_PEERS, argv, env=thread_env(1), log_path=workdir / "driver.log", cwd=REPO
             )
@@ -259,6 +256,10 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", nargs="+", default=["b1", "b0", "async"])
     parser.add_argument("--straggler-owns", choices=("yes", "no"), default="no")
     parser.add_argument("--name", default="backup_workers_lab")
+    parser.add_argument("--prefix", default="rvbk", help="lab namespace prefix (random hex up to 8 chars)")
+    parser.add_argument("--run-id", default="bkl")
+    parser.add_argument("--cpu-period-ms", type=float, default=100.0, help="the cgroups' CFS period")
+    parser.add_argument("--balanced", choices=("yes", "no"), default="no", help="one shard per owner")
     args = parser.parse_args(argv if argv is not None else [])
     if os.geteuid() != 0:
         print("bench_backup_lab needs root (network namespaces); skipped", flush=True)
@@ -266,7 +267,15 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="ravnest-bkl-") as tmp:
         started = time.time()
         lab = run_lab(
-            Path(tmp), steps=args.steps, runs=args.runs, cpus=args.cpus, straggler_owns=args.straggler_owns
+            Path(tmp),
+            steps=args.steps,
+            runs=args.runs,
+            cpus=args.cpus,
+            straggler_owns=args.straggler_owns,
+            prefix=args.prefix + os.urandom(4).hex()[: max(0, 8 - len(args.prefix))],
+            run_id=args.run_id,
+            cpu_period_us=round(args.cpu_period_ms * 1000),
+            balanced=args.balanced,
         )
     rows = summarise(lab)
     for row in rows:
@@ -279,7 +288,8 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
             f"{SLOWDOWN:g}; digits_cnn (channels 32, 64), batch 1024 per worker, Adam 1e-3,",
             f"{args.steps} steps per run, runs {args.runs} on the same peers in one lab session",
             f"({time.time() - started:.0f} s). CPU: the five cgroup quotas take {args.cpus:g} CPU together",
-            f"(fast peer {fast_cpu:.3f}, straggler {slow_cpu:.3f} CPU), one compute thread each. Host",
+            f"(fast peer {fast_cpu:.3f}, straggler {slow_cpu:.3f} CPU; CFS period",
+            f"{args.cpu_period_ms:g} ms), one compute thread each. Host",
             f"1-min load during the run: median {statistics.median(load):.1f}, max {max(load):.1f} on",
             f"{os.cpu_count()} CPUs (other sessions). step_s: train-loop wall time / steps, mean over the",
             f"fast workers (async: per {NUM_REQUIRED} gradients applied). worker_gradient_s: each worker's",
@@ -288,7 +298,7 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
             f"statistic); nth_of_means_s: the {NUM_REQUIRED}-th of the per-worker means. Goals: b1",
             "step_over_nth <= 1.1, step_reduction_vs_b0 >= 0.30, |accuracy_minus_b0_points| <= 0.5",
             "(held-out set of 360: one sample is 0.28 point). The straggler owns a shard:",
-            f"{args.straggler_owns}.",
+            f"{args.straggler_owns}. One shard per owner (balanced layout): {args.balanced}.",
         ]
     )
     record(args.name, rows, notes=notes)

@@ -18,6 +18,7 @@ import json
 import secrets
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -26,8 +27,11 @@ from types import TracebackType
 from typing import Any
 
 from ravnest_p2p.lab import NetnsLab, parse_profile
+from ravnest_p2p.lab.throttle import ComputeThrottle, thread_env
+from ravnest_p2p.swarm import poll_until
+from ravnest_p2p.transport import Identity
 
-__all__ = ["LabRun"]
+__all__ = ["LabRun", "start_lab_peers"]
 
 
 class LabRun:
@@ -118,3 +122,43 @@ class LabRun:
     ) -> None:
         self.lab.down()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def start_lab_peers(
+    lab: NetnsLab,
+    identities: Sequence[Identity],
+    *,
+    run_id: str,
+    port: int,
+    base_cpus: float,
+    workdir: Path,
+    config_path: Path | None = None,
+    throttles: list[ComputeThrottle],
+    ready_timeout_s: float = 120,
+    cpu_period_us: int | None = None,
+) -> list[str]:
+    """Start ``python -m ravnest_p2p.peer`` i in lab namespace i (CPU-capped, one compute thread).
+
+    Peer 0 bootstraps the run (we wait until its log says it joined), the others join through it.
+    Every throttle created is appended to `throttles` at once, so the caller closes them even when a
+    later start fails. Logs go to ``workdir/peer<i>.log``; ``cpu_period_us`` is the cgroups' CFS period
+    (None: 100 ms). Returns the peers' multiaddrs.
+    """
+    maddrs = [
+        f"/ip4/{lab.address_of(i)}/tcp/{port}/p2p/{identity.peer_id}" for i, identity in enumerate(identities)
+    ]
+    for i, identity in enumerate(identities):
+        throttle = lab.throttle_for(i, base_cpus=base_cpus, period_us=cpu_period_us)
+        throttle.create()
+        throttles.append(throttle)
+        addr = f"/ip4/{lab.address_of(i)}/tcp/{port}"
+        argv = [sys.executable, "-m", "ravnest_p2p.peer", "--run-id", run_id]
+        argv += ["--config", str(config_path)] if config_path is not None else []
+        argv += ["--identity-path", str(identity.path), "--host-maddrs", addr, "--announce-maddrs", addr]
+        argv += ["--initial-peers", maddrs[0]] if i > 0 else []
+        log = workdir / f"peer{i}.log"
+        lab.run_in_ns(i, argv, env=thread_env(1), log_path=log, throttle=throttle)
+        if i == 0:
+            joined = lambda path=log: "join with" in path.read_text(errors="replace")  # noqa: E731
+            poll_until(joined, ready_timeout_s, what="peer 0")
+    return maddrs

@@ -62,7 +62,7 @@ from typing import Any
 
 from ravnest_p2p.lab._procs import entering_pids, kill_groups, run
 from ravnest_p2p.lab.profiles import PeerProfile, ShapingMode, SwarmProfile
-from ravnest_p2p.lab.throttle import ComputeThrottle, ThrottleBackend, remove_groups
+from ravnest_p2p.lab.throttle import DEFAULT_PERIOD_US, ComputeThrottle, ThrottleBackend, remove_groups
 
 __all__ = ["NetnsLab", "lab_address", "remove_leftovers"]
 
@@ -275,7 +275,9 @@ class NetnsLab:
             match = ["u32", "match", "ip", "dst", f"{lab_address(j)}/32", "flowid", classid]
             run(["tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", *match])
 
-    def throttle_for(self, peer: int | str, *, base_cpus: float) -> ComputeThrottle:
+    def throttle_for(
+        self, peer: int | str, *, base_cpus: float, period_us: int | None = None
+    ) -> ComputeThrottle:
         """A (not yet created) `ComputeThrottle` for the peer's ``compute_slowdown`` and ``memory_gb``.
 
         Named ``<prefix>-<index>`` so that `down` removes its cgroups even after a crash. Use it for
@@ -285,12 +287,17 @@ class NetnsLab:
         Args:
             peer: peer index or profile name.
             base_cpus: CPU share of a full-speed peer; this peer gets ``base_cpus / compute_slowdown``.
+            period_us: the CFS period (None: the throttle's default, 100 ms).
         """
         i = self._index(peer)
         spec = self.profile.peers[i]
         name = f"{self.prefix}-{i}"
         return ComputeThrottle(
-            name=name, slowdown=spec.compute_slowdown, base_cpus=base_cpus, memory_gb=spec.memory_gb
+            name=name,
+            slowdown=spec.compute_slowdown,
+            base_cpus=base_cpus,
+            memory_gb=spec.memory_gb,
+            period_us=period_us if period_us is not None else DEFAULT_PERIOD_US,
         )
 
     def run_in_ns(

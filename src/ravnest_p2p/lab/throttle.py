@@ -57,6 +57,7 @@ from types import TracebackType
 from ravnest_p2p.lab._procs import signal_group
 
 __all__ = [
+    "DEFAULT_PERIOD_US",
     "ComputeThrottle",
     "ThrottleBackend",
     "base_cpus_to_fit",
@@ -67,7 +68,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_PERIOD_US = 100_000
+DEFAULT_PERIOD_US = 100_000  # the CFS bandwidth period of a throttle's cgroup
+_PERIOD_US = DEFAULT_PERIOD_US
 _REMOVE_TIMEOUT_S = 10.0  # waiting for killed processes to leave their groups
 # 8x the default weight: see "under load" in the module docstring. Harmless to others: the quota caps
 # what the weight can win.
@@ -214,6 +216,9 @@ class ComputeThrottle:
         base_cpus: CPUs the peer uses at full speed (its compute thread count).
         memory_gb: memory cap (cgroup backends only; the sigstop backend ignores it with no error).
         backend: force a mechanism; default `detect_backend`.
+        period_us: the CFS bandwidth period (cgroup backends; default 100 ms). A group that spends its
+            quota early in a period waits for the next one: a shorter period bounds that stall (a slow
+            peer's short message handling right after a compute burst waits up to period - quota).
     """
 
     def __init__(
@@ -224,6 +229,7 @@ class ComputeThrottle:
         base_cpus: float = 1.0,
         memory_gb: float | None = None,
         backend: ThrottleBackend | None = None,
+        period_us: int = DEFAULT_PERIOD_US,
     ) -> None:
         if not _NAME_RE.match(name):
             raise ValueError(f"throttle name {name!r} must match {_NAME_RE.pattern}")
@@ -231,7 +237,10 @@ class ComputeThrottle:
             raise ValueError(f"slowdown must be >= 1.0, got {slowdown}")
         if not base_cpus > 0:
             raise ValueError(f"base_cpus must be > 0, got {base_cpus}")
+        if not 1000 <= period_us <= 1_000_000:
+            raise ValueError(f"period_us must lie in [1000, 1000000], got {period_us}")
         self.name = name
+        self.period_us = period_us
         self.slowdown = slowdown
         self.base_cpus = base_cpus
         self.memory_gb = memory_gb
@@ -241,8 +250,8 @@ class ComputeThrottle:
 
     @property
     def quota_us(self) -> int:
-        """CPU time the group may use per period of 100 ms, in µs."""
-        return max(1000, round(_PERIOD_US * self.base_cpus / self.slowdown))
+        """CPU time the group may use per period (`period_us`), in µs."""
+        return max(1000, round(self.period_us * self.base_cpus / self.slowdown))
 
     def create(self) -> None:
         """Create and configure the cgroup(s); a no-op for the sigstop backend."""
@@ -253,7 +262,7 @@ class ComputeThrottle:
             if parent is None:
                 raise RuntimeError("cgroup v2 cpu controller is not writable here")
             path = self._mkdir(parent / group)
-            (path / "cpu.max").write_text(f"{self.quota_us} {_PERIOD_US}")
+            (path / "cpu.max").write_text(f"{self.quota_us} {self.period_us}")
             (path / "cpu.weight").write_text(str(_WEIGHT_V2))
             if mem_bytes is not None:
                 (path / "memory.max").write_text(mem_bytes)
@@ -262,7 +271,7 @@ class ComputeThrottle:
             if cpu_parent is None:
                 raise RuntimeError("cgroup v1 cpu hierarchy is not writable here")
             path = self._mkdir(cpu_parent / group)
-            (path / "cpu.cfs_period_us").write_text(str(_PERIOD_US))
+            (path / "cpu.cfs_period_us").write_text(str(self.period_us))
             (path / "cpu.cfs_quota_us").write_text(str(self.quota_us))
             (path / "cpu.shares").write_text(str(_SHARES_V1))
             mem_parent = _v1_parent("memory")

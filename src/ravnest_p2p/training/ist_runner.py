@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import time
@@ -46,7 +47,7 @@ from ravnest_p2p.training.progress import ProgressStore
 from ravnest_p2p.training.resume import HeldState
 from ravnest_p2p.training.role import StageRole
 from ravnest_p2p.training.stages import load_dataset
-from ravnest_p2p.training.sync_report import evaluate, store_metrics
+from ravnest_p2p.training.sync_report import evaluate, ist_timing_record, store_metrics
 from ravnest_p2p.training.sync_shard import SyncBatches, sync_final_step
 from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import TaskOwner, run_in_compute_thread
@@ -115,6 +116,7 @@ class IstRunner:
         self.loss: float | None = None
         self.round_log: list[dict[str, Any]] = []  # per round: live, gone, bytes pulled, seconds
         self.compute_s = 0.0
+        self.final_pull_s = 0.0
         self.eval_loss: float | None = None
         self.eval_accuracy: float | None = None
         self._done = False
@@ -135,7 +137,9 @@ class IstRunner:
                 if self.stop_requested.is_set():
                     break
                 await self._round(round_index)
+            gathering = time.monotonic()
             await self._pull(self.num_rounds, final=True)
+            self.final_pull_s = time.monotonic() - gathering
             self.eval_loss, self.eval_accuracy = await run_in_compute_thread(self._evaluate)
             logger.info(
                 "job %s: IST worker %d done after %d rounds: held-out loss %.4f accuracy %.4f",
@@ -145,6 +149,7 @@ class IstRunner:
                 self.eval_loss,
                 self.eval_accuracy,
             )
+            logger.info("ist timing %s", json.dumps(ist_timing_record(self)))
             self._done = True
             await self._linger()
         except LeftJob as exc:  # excluded by the others, who go on: not a failure of the job
@@ -171,6 +176,7 @@ class IstRunner:
         pulled = self.rpc.bytes_received[IST_PULL.name] - received
         deal = self.state.deal(round_index, live)
         computing = time.monotonic()
+        pull_s = computing - began
         sub, loss = await run_in_compute_thread(self._train, round_index, deal, live.index(self.index))
         self.compute_s += time.monotonic() - computing
         if self.state.live(round_index) != live:
@@ -194,6 +200,7 @@ class IstRunner:
                 "gone": sorted(gone),
                 "bytes_pulled": pulled,
                 "seconds": time.monotonic() - began,
+                "pull_seconds": pull_s,
                 "loss": loss,
             }
         )

@@ -53,6 +53,9 @@ class SyncBackupConfig(_Config):
             shards move to the next owner of the layout.
         owners: the workers that may own shards (None: every worker). Keep slow peers out: an owner
             on a slow peer slows every step. If all of them die, every live worker may own.
+        local_steps: K; 1 is synchronous SGD. K > 1 is local SGD: each worker takes K plain SGD steps
+            from the step's parameters and pushes (θ_t - θ_local) / lr; with the job's optimizer plain
+            SGD this averages the models every K steps (`training.sync_compute`).
     """
 
     num_required: int = Field(default=1, ge=1, le=1024)
@@ -62,6 +65,7 @@ class SyncBackupConfig(_Config):
     step_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
     owner_ping_timeout_s: float = Field(default=10.0, gt=0, le=600)
     owners: tuple[str, ...] | None = Field(default=None, min_length=1, max_length=1024)
+    local_steps: int = Field(default=1, ge=1, le=100_000)
 
     @property
     def num_workers(self) -> int:

@@ -1,9 +1,10 @@
 """What a one-stage worker (sync_backup, IST) reports: held-out evaluation, metrics stored in the DHT, a
-timing record (sync_backup).
+timing record (sync_backup, IST).
 
 Split from `training.sync_runner` (the worker loop) so that each file stays one concern. The timing
 record is logged once at the end of a worker's run (``sync timing {json}``): per-gradient compute
-times, the training loop's wall time, and its owned shards' staleness and drop counters. The lab
+times and step times, the training loop's wall time, and its owned shards' staleness and drop
+counters; an IST worker logs ``ist timing {json}`` (seconds and bytes of every round). The lab
 benchmark (`benchmarks/bench_backup_lab.py`) reads it from the peers' logs; it is not a wire record.
 """
 
@@ -24,9 +25,10 @@ from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics
 from ravnest_p2p.training.progress import ProgressStore
 
 if TYPE_CHECKING:
+    from ravnest_p2p.training.ist_runner import IstRunner
     from ravnest_p2p.training.sync_runner import SyncBackupRunner
 
-__all__ = ["evaluate", "store_metrics", "timing_record"]
+__all__ = ["evaluate", "ist_timing_record", "store_metrics", "timing_record"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +89,26 @@ def timing_record(runner: SyncBackupRunner) -> dict[str, Any]:
         "train_s": round(runner.train_s, 4),
         # the first ones only: one log line must stay small however long the job
         "gradient_times_s": [round(t, 4) for t in runner.gradient_times_s[:_MAX_TIMES]],
+        "step_times_s": [round(t, 4) for t in runner.step_times_s[:_MAX_TIMES]],  # gradient + exchange
         "shards_owned": sorted(runner.owners.owned),
         "staleness": {str(k): v for k, v in sorted(staleness.items())},
         "dropped": dict(dropped),
+        "eval_accuracy": runner.eval_accuracy,
+    }
+
+
+def ist_timing_record(runner: IstRunner) -> dict[str, Any]:
+    """An IST worker's rounds (seconds from pull to commit, of which pulling; bytes), its final gather."""
+    return {
+        "job_id": runner.job.job_id,
+        "peer_id": runner.rpc.peer_id,
+        "worker": runner.index,
+        "rounds": runner.round,
+        "local_steps": runner.config.local_steps,
+        "round_s": [round(e["seconds"], 4) for e in runner.round_log[:_MAX_TIMES]],
+        "round_pull_s": [round(e["pull_seconds"], 4) for e in runner.round_log[:_MAX_TIMES]],
+        "round_bytes_pulled": [e["bytes_pulled"] for e in runner.round_log[:_MAX_TIMES]],
+        "final_pull_s": round(runner.final_pull_s, 4),
+        "compute_s": round(runner.compute_s, 4),
         "eval_accuracy": runner.eval_accuracy,
     }

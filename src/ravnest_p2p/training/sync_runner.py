@@ -37,6 +37,7 @@ from ravnest_p2p.training.progress import JobProgress, ProgressStore, publish_pr
 from ravnest_p2p.training.resume import HeldState
 from ravnest_p2p.training.role import StageRole
 from ravnest_p2p.training.stages import load_dataset
+from ravnest_p2p.training.sync_compute import piece_views, step_push
 from ravnest_p2p.training.sync_owners import OwnerService
 from ravnest_p2p.training.sync_report import evaluate, store_metrics, timing_record
 from ravnest_p2p.training.sync_shard import SyncBatches, sync_final_step
@@ -90,21 +91,23 @@ class SyncBackupRunner:
             )
         self.model = nn.Sequential(*layers)
         self.params = dict(self.model.named_parameters())
-        sizes = {name: p.numel() * p.element_size() for name, p in self.params.items()}
-        self.layout = SyncLayout.build(
-            job.job_id, self.workers, sizes, job.sync_backup.num_shards, job.sync_backup.owners
-        )
+        num_shards = job.sync_backup.num_shards or len(self.workers)
+        self.pieces = piece_views(self.params, num_shards)  # shard entries: tensors or row ranges
+        sizes = {name: p.numel() * p.element_size() for name, p in self.pieces.items()}
+        self.layout = SyncLayout.build(job.job_id, self.workers, sizes, num_shards, job.sync_backup.owners)
         self.train, self.held_out = load_dataset(job)
         self.batches = SyncBatches(
             self.train, batch_size=job.batch_size, seed=job.seed, num_workers=len(self.workers)
         )
-        self.final_step = sync_final_step(
+        self.num_data_steps = sync_final_step(
             len(self.train),
             batch_size=job.batch_size,
             num_workers=len(self.workers),
             num_epochs=job.num_epochs,
             max_steps=job.max_steps,
         )
+        self.local_steps = job.sync_backup.local_steps
+        self.final_step = -(-self.num_data_steps // self.local_steps)  # syncs (K data steps each)
         self.loss_fn = make_loss(get_model_spec(job.model).loss(parse_config(job.model, job.model_params)))
         self.versions = [0] * len(self.layout.shards)
         self.is_async = job.sync_backup.aggregation == "async"
@@ -306,19 +309,17 @@ class SyncBackupRunner:
 
     def _install(self, shard: int, reply: SyncReply, tensors: list[Tensor]) -> None:
         expected = {
-            name: (tuple(self.params[name].shape), self.params[name].dtype)
+            name: (tuple(self.pieces[name].shape), self.pieces[name].dtype)
             for name in self.layout.shards[shard]
         }
         values = check_tensors(reply.names, tensors, expected, what=f"parameters of shard {shard}")
         with torch.no_grad():
             for name, value in values.items():
-                self.params[name].copy_(value)
+                self.pieces[name].copy_(value)
         self.versions[shard] = reply.step
 
     def _copy(self, shard: int) -> tuple[int, dict[str, Tensor]]:
-        return self.versions[shard], {
-            name: self.params[name].detach().clone() for name in self.layout.shards[shard]
-        }
+        return self.versions[shard], {name: self.pieces[name].clone() for name in self.layout.shards[shard]}
 
     async def _linger(self) -> None:
         """Serve our final shards until every live worker has them (bounded by `_LINGER_S`).
@@ -341,15 +342,18 @@ class SyncBackupRunner:
 
     # ----- compute (the compute thread) -------------------------------------------------------------
     def _gradient(self, step: int) -> tuple[float, dict[str, Tensor]]:
-        inputs, labels = self.batches.batch(step, self.index)
-        self.model.train()
-        self.model.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model(inputs), labels)
-        loss.backward()
-        grads = {}
-        for name, param in self.params.items():
-            grads[name] = param.grad.detach().clone() if param.grad is not None else torch.zeros_like(param)
-        return float(loss.detach()), grads
+        return step_push(
+            self.model,
+            self.params,
+            self.pieces,
+            batches=self.batches,
+            loss_fn=self.loss_fn,
+            worker=self.index,
+            step=step,
+            local_steps=self.local_steps,
+            num_data_steps=self.num_data_steps,
+            optimizer=self.job.optimizer,
+        )
 
     # ----- reporting (`training.sync_report`) -------------------------------------------------------
     def _evaluate(self) -> tuple[float, float]:

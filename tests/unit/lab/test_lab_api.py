@@ -81,6 +81,11 @@ def test_throttle_for_follows_profile() -> None:
     assert netlab.throttle_for("a", base_cpus=0.5).quota_us == 50_000
     throttle = netlab.throttle_for("b", base_cpus=2)
     assert (throttle.name, throttle.slowdown, throttle.base_cpus, throttle.memory_gb) == ("rvtq-1", 2.5, 2, 3)
+    # a shorter CFS period: the same share of a shorter period
+    short = netlab.throttle_for("b", base_cpus=0.6, period_us=20_000)
+    assert (short.period_us, short.quota_us) == (20_000, 4_800)
+    with pytest.raises(ValueError, match="period_us"):
+        netlab.throttle_for("a", base_cpus=1, period_us=500)
 
 
 def test_base_cpus_to_fit() -> None:

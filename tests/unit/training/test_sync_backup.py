@@ -104,12 +104,6 @@ async def test_backup_workers_drop_the_late_and_all_agree() -> None:
     assert all(len(c) == 2 for o in owners for c in o.contributors)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="was a race (about 1 run in 4 on a busy host): the new owner refused a push one step ahead of "
-    "its copy; owners now fast-forward (sync_owners.py) and it passed 14 of 14 runs since, 8 of them beside "
-    "two busy loops. Kept non-strict until it has a longer record; drop the mark then",
-)
 async def test_a_dead_owner_is_replaced_and_the_steps_go_on() -> None:
     network, runners = _runners(4, n=2, b=2, max_steps=10)
     victim = next(r for r in runners if r.layout.shards_of(r.rpc.peer_id))  # owns a shard at the start
