@@ -86,7 +86,7 @@ def plan(seeds: list[int], only_codec: str = "") -> list[tuple[Method, int]]:
         return next(m for n, m in codecs[h].items() if n.endswith(f" {codec}"))
 
     if only_codec:
-        return [(outer(h, only_codec), s) for s in seeds for h in (50, 100, 200, 10)]
+        return [(outer(h, only_codec), s) for h in (50, 100, 200, 10) for s in seeds]
     first, rest = seeds[0], seeds[1:]
     second = rest[0] if rest else first
     # what the headline comparison needs first, on both seeds; then the rest of the grid

@@ -30,12 +30,13 @@ OUTER_GRID = ((0.7, 0.9), (1.0, 0.9), (0.5, 0.9), (0.7, 0.8))
 CODECS: dict[str, dict[str, object]] = {
     "int8": {"compression": DeltaCompression.INT8},
     "int4": {"compression": DeltaCompression.INT4},
-    "topk": {  # its own outer step (see the report): lr, momentum override the H's
+    "topk": {  # its own outer step (docs/sparse-delta.md): lr, momentum override the H's
         "compression": DeltaCompression.TOPK,
         "topk_fraction": 0.1,
         "topk_chunk": 4096,
         "topk_bits": 2,
-        "lr": 2.0,
+        "unsent_stays_local": True,
+        "lr": 1.0,
         "momentum": 0.0,
     },
 }

@@ -137,7 +137,9 @@ def simulate(
     """Train `num_replicas` replicas for `num_steps` inner steps each; evaluate after syncs.
 
     Evaluation happens at the first sync at or after every `eval_every` steps (0: the period), on
-    replica 0 (after a sync all replicas hold the same values), and always at the end after a last sync.
+    replica 0 (after a sync all replicas hold the same values; with `unsent_stays_local` they differ by
+    their residuals: then on their mean, what the closing plain average gives), and always at the end
+    after a last sync.
     """
     models = [copy.deepcopy(problem.model) for _ in range(num_replicas)]
     inner = [torch.optim.Adam(m.parameters(), lr=problem.inner_lr) for m in models]
@@ -168,10 +170,22 @@ def simulate(
             next_eval = (step // eval_every + 1) * eval_every
             trace.steps.append(step)
             trace.samples.append(step * problem.batch_size * num_replicas)
-            trace.val_loss.append(_val_loss(models[0], problem))
+            trace.val_loss.append(_val_loss(_consensus(models), problem))
             trace.wire_bytes.append(syncs * per_sync)
             trace.would_be_bytes.append(syncs * would_be)
     return trace
+
+
+@torch.no_grad()
+def _consensus(models: list[nn.Module]) -> nn.Module:
+    """Replica 0, or the replicas' mean when they differ (`unsent_stays_local`): the closing average."""
+    named = [dict(m.named_parameters()) for m in models]
+    if all(torch.equal(named[0][n], p[n]) for p in named[1:] for n in named[0]):
+        return models[0]
+    mean = copy.deepcopy(models[0])
+    for name, param in mean.named_parameters():
+        param.copy_(torch.stack([p[name] for p in named]).mean(0))
+    return mean
 
 
 @torch.no_grad()
