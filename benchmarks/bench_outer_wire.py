@@ -143,6 +143,10 @@ def _markdown(rows: list[dict[str, object]], args: argparse.Namespace, numel: in
         "- final_val_loss after the steps above (shorter than the in-process 1500-step budget; "
         "`tests/unit/averaging/test_outer_wire_training.py` checks int8/int4 on the wire within 1 % of "
         "uncompressed on digits).",
+        "- topk chunked 2-bit (`docs/sparse-delta.md`, `unsent_stays_local`): the replicas' weights differ "
+        "by their residuals, so `replicas_identical_after_each_sync` checks the anchors θ_outer. The ring "
+        "carries the kept entries as int32 index + fp32 value and sums them exactly: the 2-bit codes do "
+        "not reach the wire yet (in-process all-gather estimate: 3 x 2688 B at 3 %, 3 x 7476 B at 10 %).",
     ]
     return "\n".join(lines) + "\n"
 
