@@ -27,6 +27,7 @@ from benchmarks.outer_grid import (
     OUTER_H,
     Grid,
     codec_methods,
+    outer_name,
     plain_methods,
     run_all,
     tuning_methods,
@@ -74,7 +75,9 @@ def _by_name(methods: list[Method]) -> dict[str, Method]:
     return {m.name: m for m in methods}
 
 
-def plan(seeds: list[int], only_codec: str = "") -> list[tuple[Method, int]]:
+def plan(
+    seeds: list[int], only_codec: str = "", chosen: dict[int, tuple[float, float]] | None = None
+) -> list[tuple[Method, int]]:
     """The runs, most wanted first (a run that cannot start before --stop-at is left out)."""
     plain = _by_name(plain_methods())
     tuning = _by_name(tuning_methods())
@@ -85,6 +88,17 @@ def plan(seeds: list[int], only_codec: str = "") -> list[tuple[Method, int]]:
             return tuning[f"outer H={h} lr=0.7 mu=0.9"]
         return next(m for n, m in codecs[h].items() if n.endswith(f" {codec}"))
 
+    if only_codec == "chosen":  # the codecs (and seeds) at each H's tuned (lr, momentum)
+        out = []
+        for h, (lr, mu) in (chosen or {}).items():
+            if (lr, mu) != (0.7, 0.9):
+                out += [(tuning[outer_name(h, lr, mu)], s) for s in seeds[1:]]
+                out += [
+                    (m, s) for s in seeds for m in codec_methods(h, lr, mu) if not m.name.endswith("topk")
+                ]
+        return out
+    if only_codec.startswith("periodic"):  # e.g. "periodic 256;periodic 128 fp16"
+        return [(plain[n], s) for n in only_codec.split(";") for s in seeds]
     if only_codec:
         return [(outer(h, only_codec), s) for h in (50, 100, 200, 10) for s in seeds]
     first, rest = seeds[0], seeds[1:]
@@ -134,15 +148,33 @@ def main() -> None:
             now = datetime.datetime.now(datetime.UTC)
             hh, mm = (int(x) for x in args.stop_at.split(":"))
             stop_at = now.replace(hour=hh, minute=mm, second=0).timestamp()
-        run_all(grid, plan(seeds, args.only_codec), args.workers, stop_at)
+        tuned = _tuned(grid, seeds)
+        chosen = {h: _chosen(tuned, h) for h in OUTER_H}
+        run_all(grid, plan(seeds, args.only_codec, chosen), args.workers, stop_at)
         if args.only_codec:
             return
     report(grid, seeds, args)
 
 
+def _tuned(grid: Grid, seeds: list[int]) -> dict[str, dict[str, object]]:
+    every = {s: t for (_, s), t in grid.traces(plain_methods()[:1], seeds[:1]).items()}
+    traces = grid.traces(tuning_methods(), seeds[:1])
+    return {
+        name: row(next(m for m in tuning_methods() if m.name == name), {s: t}, every)
+        for (name, s), t in traces.items()
+    }
+
+
 def report(grid: Grid, seeds: list[int], args: argparse.Namespace) -> None:
     plain, tuning = plain_methods(), tuning_methods()
-    finals = [m for h in OUTER_H for m in [*[t for t in tuning if t.period == h], *codec_methods(h)]]
+    tuned0 = _tuned(grid, seeds)
+    finals = []
+    for h in OUTER_H:
+        lr, mu = _chosen(tuned0, h)
+        keep = {outer_name(h, 0.7, 0.9), outer_name(h, lr, mu)}  # DiLoCo's defaults and the chosen
+        finals += [t for t in tuning if t.name in keep] + codec_methods(h)
+        if (lr, mu) != (0.7, 0.9):
+            finals += [m for m in codec_methods(h, lr, mu) if not m.name.endswith("topk")]
     every = {s: t for (_, s), t in grid.traces(plain[:1], seeds).items()}
     use = [s for s in seeds if s in every]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import json
 import multiprocessing
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +22,8 @@ from ravnest_p2p.averaging import DeltaCompression, OuterOptimizerConfig
 
 __all__ = ["OUTER_H", "PERIODS", "Grid", "codec_methods", "run_all", "tuning_methods"]
 
-PERIODS = (16, 32, 64, 128)
-FP16_PERIODS = (32, 64)
+PERIODS = (16, 32, 64, 128, 256)
+FP16_PERIODS = (32, 64, 128)
 OUTER_H = (10, 50, 100, 200)
 # outer (lr, momentum) tried per H, DiLoCo's 0.7 / 0.9 first (the baseline)
 OUTER_GRID = ((0.7, 0.9), (1.0, 0.9), (0.5, 0.9), (0.7, 0.8))
@@ -80,15 +81,19 @@ class Grid:
     cache: Path
 
     def load(self) -> dict[str, dict[str, object]]:
-        return json.loads(self.cache.read_text()) if self.cache.exists() else {}
+        with open(self.cache.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)  # writers hold it exclusively
+            return json.loads(self.cache.read_text()) if self.cache.exists() else {}
 
     def save(self, key: str, entry: dict[str, object]) -> None:
         """Add one run under a lock (two grids may share the cache)."""
         with open(self.cache.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            done = self.load()
+            done = json.loads(self.cache.read_text()) if self.cache.exists() else {}
             done[key] = entry
-            self.cache.write_text(json.dumps(done))
+            tmp = self.cache.with_suffix(".tmp")
+            tmp.write_text(json.dumps(done))
+            os.replace(tmp, self.cache)  # readers never see a half-written file
 
     def key(self, method: Method, seed: int) -> str:
         return f"{method.name}|seed={seed}|steps={self.steps}|R={self.replicas}|hidden={self.hidden}"

@@ -52,6 +52,7 @@ def markdown(payload: dict[str, Any]) -> str:
     ]
     cols = [
         "method",
+        "seeds",
         "final_val_loss",
         "final_spread",
         "final_vs_every_step",
@@ -86,23 +87,30 @@ def markdown(payload: dict[str, Any]) -> str:
 
 def _codecs(rows: list[dict[str, Any]]) -> list[str]:
     out = [
-        "## Compressed Δ against uncompressed at the same H (same lr, momentum; mean over seeds)",
+        "## Compressed Δ against uncompressed at the same H (final loss ratios; mean over seeds, worst seed)",
         "",
-        "| method | bytes per sync | vs uncompressed per sync | final loss / uncompressed | worst seed |",
-        "|---|---|---|---|---|",
+        "| method | seeds | bytes per sync | of fp32 | / uncompressed, same lr, mu | worst | "
+        "/ best uncompressed at H | worst |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     outer = [r for r in rows if str(r["method"]).startswith("outer")]
-    plain = {r["period"]: r for r in outer if r["compression"] == "none" and "lr=0.7 mu=0.9" in r["method"]}
-    for r in rows:
-        base = plain.get(r["period"])
-        if not str(r["method"]).startswith("outer") or r["compression"] == "none" or base is None:
+    plain = {r["method"]: r for r in outer if r["compression"] == "none"}
+
+    def ratio(r: dict[str, Any], base: dict[str, Any] | None) -> tuple[str, str]:
+        if base is None or base["seeds"] != r["seeds"]:
+            return "-", "-"
+        pairs = list(zip(r["finals_per_seed"], base["finals_per_seed"], strict=True))
+        return f"{r['final_val_loss'] / base['final_val_loss']:.4f}", f"{max(a / b for a, b in pairs):.4f}"
+
+    for r in outer:
+        if r["compression"] == "none":
             continue
-        ratio = r["final_val_loss"] / base["final_val_loss"]
-        worst = max(a / b for a, b in zip(r["finals_per_seed"], base["finals_per_seed"], strict=True))
-        out.append(
-            f"| {r['method']} | {r['bytes_per_sync']} | {r['bytes_per_sync'] / base['bytes_per_sync']:.4f} "
-            f"| {ratio:.4f} | {worst:.4f} |"
-        )
+        same = plain.get(str(r["method"]).rsplit(" ", 1)[0])
+        at_h = [b for b in plain.values() if b["period"] == r["period"] and b["seeds"] == r["seeds"]]
+        best = min(at_h, key=lambda b: b["final_val_loss"]) if at_h else None
+        cells = [r["method"], r["seeds"], r["bytes_per_sync"], f"{r['bytes_per_sync'] / 287754:.4f}"]
+        cells += [*ratio(r, same), *ratio(r, best)]
+        out.append("| " + " | ".join(str(c) for c in cells) + " |")
     return out
 
 
@@ -127,20 +135,23 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 6))
-    for name, trace in payload["traces_seed0"].items():
-        if name.startswith("outer"):
-            style = "-" if name.endswith(("mu=0.9", "mu=0.8", "mu=0.7")) or name[-1].isdigit() else ":"
-        else:
-            style = "--"
+    traces = payload["traces_seed0"]
+    target = traces["every step"]["val_loss"][-1]
+    lowest = min(min(t["val_loss"]) for t in traces.values())
+    fig, axes = plt.subplots(1, 2, figsize=(15, 6), sharey=True)
+    for name, trace in traces.items():
+        uncompressed = not name.startswith("outer") or name.split(" ")[-1].startswith("mu=")
+        ax = axes[0] if uncompressed else axes[1]
+        style = "--" if not name.startswith("outer") else ("-" if uncompressed else ":")
         ax.plot(trace["would_be_bytes"], trace["val_loss"], style, label=name, linewidth=1.1)
-    target = payload["traces_seed0"]["every step"]["val_loss"][-1]
-    ax.axhline(target, color="k", linewidth=0.8)
-    ax.set_xscale("log")
-    ax.set_ylim(target * 0.95, target * 1.4)
-    ax.set_xlabel("cumulative bytes per replica (encoded; seed 0)")
-    ax.set_ylabel("validation loss")
-    ax.legend(fontsize=6, ncol=2)
-    ax.grid(alpha=0.3)
+    for ax, title in zip(axes, ("plain averaging and uncompressed outer", "compressed Δ"), strict=True):
+        ax.axhline(target, color="k", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_ylim(lowest - 0.02, target * 1.3)
+        ax.set_title(title)
+        ax.set_xlabel("cumulative bytes per replica (encoded; seed 0)")
+        ax.legend(fontsize=6, ncol=2)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("validation loss (black: every-step averaging's final loss)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
