@@ -93,9 +93,7 @@ def plan(
         for h, (lr, mu) in (chosen or {}).items():
             if (lr, mu) != (0.7, 0.9):
                 out += [(tuning[outer_name(h, lr, mu)], s) for s in seeds[1:]]
-                out += [
-                    (m, s) for s in seeds for m in codec_methods(h, lr, mu) if not m.name.endswith("topk")
-                ]
+                out += [(m, s) for s in seeds for m in codec_methods(h, lr, mu)]
         return out
     if only_codec.startswith("periodic"):  # e.g. "periodic 256;periodic 128 fp16"
         return [(plain[n], s) for n in only_codec.split(";") for s in seeds]
@@ -174,7 +172,7 @@ def report(grid: Grid, seeds: list[int], args: argparse.Namespace) -> None:
         keep = {outer_name(h, 0.7, 0.9), outer_name(h, lr, mu)}  # DiLoCo's defaults and the chosen
         finals += [t for t in tuning if t.name in keep] + codec_methods(h)
         if (lr, mu) != (0.7, 0.9):
-            finals += [m for m in codec_methods(h, lr, mu) if not m.name.endswith("topk")]
+            finals += [m for m in codec_methods(h, lr, mu)]
     every = {s: t for (_, s), t in grid.traces(plain[:1], seeds).items()}
     use = [s for s in seeds if s in every]
 
@@ -193,6 +191,10 @@ def report(grid: Grid, seeds: list[int], args: argparse.Namespace) -> None:
     payload = {
         "args": vars(args),
         "chosen_lr_momentum": {str(h): v for h, v in chosen.items()},
+        "best_periodic": min(
+            (r for r in rows if str(r["method"]).startswith("periodic")),
+            key=lambda r: float(r["bytes_to_target"] or "inf"),  # type: ignore[arg-type]
+        )["method"],
         "tuning": list(tuned.values()),
         "rows": rows,
         "traces_seed0": {name: vars(t) for (name, _), t in grid.traces(plain + finals, use[:1]).items()},

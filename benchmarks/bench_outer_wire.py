@@ -36,6 +36,11 @@ def methods() -> dict[str, OuterOptimizerConfig]:
         "int4, 3 fragments": OuterOptimizerConfig(compression=DeltaCompression.INT4, num_fragments=3),
         "topk chunked 2-bit 3%": OuterOptimizerConfig.model_validate(sparse),
         "topk chunked 2-bit 10%": OuterOptimizerConfig.model_validate(CODECS["topk"]),
+        # bench_outer's tuned outer step (lr 0.7, momentum 0.8 was best at every H)
+        "int4 mu 0.8": OuterOptimizerConfig(compression=DeltaCompression.INT4, momentum=0.8),
+        "topk chunked 2-bit 10% mu 0.8": OuterOptimizerConfig.model_validate(
+            {**CODECS["topk"], "momentum": 0.8}
+        ),
     }
 
 

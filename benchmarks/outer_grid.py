@@ -31,14 +31,12 @@ OUTER_GRID = ((0.7, 0.9), (1.0, 0.9), (0.5, 0.9), (0.7, 0.8))
 CODECS: dict[str, dict[str, object]] = {
     "int8": {"compression": DeltaCompression.INT8},
     "int4": {"compression": DeltaCompression.INT4},
-    "topk": {  # its own outer step (docs/sparse-delta.md): lr, momentum override the H's
+    "topk": {  # SparseLoCo-style, with the unsent part kept in the weights (docs/sparse-delta.md)
         "compression": DeltaCompression.TOPK,
         "topk_fraction": 0.1,
         "topk_chunk": 4096,
         "topk_bits": 2,
         "unsent_stays_local": True,
-        "lr": 1.0,
-        "momentum": 0.0,
     },
 }
 

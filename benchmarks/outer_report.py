@@ -48,6 +48,13 @@ def markdown(payload: dict[str, Any]) -> str:
         "`outer_wire.md`); top-k as an all-gather of each member's encoded kept entries, (C-1) x encoded.",
         "- `final_vs_every_step`: mean over seeds of final loss / every step's final loss (same seed); "
         "`_worst`: the largest.",
+        "- Outer rows: DiLoCo's lr 0.7 / mu 0.9 and, per H, the best (lr, mu) of the grid below (seed 0), "
+        "each with int8 / int4 Δ. top-k: 10 % of every 4096-element chunk, 2-bit values, error feedback "
+        "with `unsent_stays_local`, at the row's (lr, mu) (`docs/sparse-delta.md`). x_vs_best_periodic "
+        "is against the best periodic row including fp16 (the ring's existing fp16 compression).",
+        "- Runs shared 2 cores at load 15-50 (other sessions); wall times are not comparable, none "
+        "are reported. The runs of the previous report's configurations (seed 0, same code path) were "
+        "reused from its traces.",
         "",
     ]
     cols = [
@@ -139,6 +146,14 @@ def plot(payload: dict[str, Any], path: Path) -> None:
     target = traces["every step"]["val_loss"][-1]
     lowest = min(min(t["val_loss"]) for t in traces.values())
     fig, axes = plt.subplots(1, 2, figsize=(15, 6), sharey=True)
+    for ax in axes:
+        ax.set_prop_cycle(color=[plt.get_cmap("tab20")(i) for i in range(20)])
+    best = payload.get("best_periodic")
+    if best in traces:  # the reference in the compressed panel too
+        ref = traces[best]
+        axes[1].plot(
+            ref["would_be_bytes"], ref["val_loss"], "k--", label=f"{best} (best periodic)", linewidth=1.4
+        )
     for name, trace in traces.items():
         uncompressed = not name.startswith("outer") or name.split(" ")[-1].startswith("mu=")
         ax = axes[0] if uncompressed else axes[1]
