@@ -51,11 +51,13 @@ def _to_target(name: str, period: int, per_sync: float) -> dict[str, object]:
         return {}
     payload = json.loads(path.read_text())
     codec = name.split(" ")[0]
-    if codec == "topk" and name != f"topk chunked 2-bit {CODECS['topk']['topk_fraction']:.0%}":
+    if codec == "topk" and not name.startswith(f"topk chunked 2-bit {CODECS['topk']['topk_fraction']:.0%}"):
         return {}  # the in-process run used bench_outer's top-k only
 
+    step = "lr=0.7 mu=0.8" if name.endswith("mu 0.8") else "lr=0.7 mu=0.9"
+
     def same(r: dict[str, object]) -> bool:
-        base = codec != "none" or "lr=0.7 mu=0.9" in str(r["method"])
+        base = step in str(r["method"])
         return r["period"] == period and r["compression"] == codec and base
 
     row = next((r for r in payload["rows"] if same(r)), None)
