@@ -33,11 +33,15 @@ CONTEXT = 8
 
 @dataclass(frozen=True)
 class Method:
-    """How replicas sync: every `period` inner steps, plainly (`outer` None) or by the outer optimizer."""
+    """How replicas sync: every `period` inner steps, plainly (`outer` None) or by the outer optimizer.
+
+    `fp16`: a plain average through the ring's fp16 compression (what plain averaging can do today).
+    """
 
     name: str
     period: int
     outer: OuterOptimizerConfig | None = None
+    fp16: bool = False
 
 
 @dataclass
@@ -108,13 +112,20 @@ def _val_loss(model: nn.Module, problem: Problem) -> float:
 def _ring_bytes(numel: int, method: Method, num_replicas: int) -> tuple[int, int]:
     """(bytes on the wire today, bytes a compressed transport would move) per replica per sync."""
     share = 2 * (num_replicas - 1) / num_replicas
-    wire = math.ceil(share * 4 * numel)
+    wire = math.ceil(share * (2 if method.fp16 else 4) * numel)
     c = method.outer
     if c is None or c.compression is DeltaCompression.NONE:
         return wire, wire
     from ravnest_p2p.averaging.pseudograd import encoded_bytes
 
-    encoded = encoded_bytes(numel, c.compression, chunk_numel=c.chunk_numel, topk_fraction=c.topk_fraction)
+    encoded = encoded_bytes(
+        numel,
+        c.compression,
+        chunk_numel=c.chunk_numel,
+        topk_fraction=c.topk_fraction,
+        topk_chunk=c.topk_chunk,
+        topk_bits=c.topk_bits,
+    )
     if c.compression is DeltaCompression.TOPK:
         return wire, (num_replicas - 1) * encoded
     return wire, math.ceil(share * encoded)
@@ -126,7 +137,9 @@ def simulate(
     """Train `num_replicas` replicas for `num_steps` inner steps each; evaluate after syncs.
 
     Evaluation happens at the first sync at or after every `eval_every` steps (0: the period), on
-    replica 0 (after a sync all replicas hold the same values), and always at the end after a last sync.
+    replica 0 (after a sync all replicas hold the same values; with `unsent_stays_local` they differ by
+    their residuals: then on their mean, what the closing plain average gives), and always at the end
+    after a last sync.
     """
     models = [copy.deepcopy(problem.model) for _ in range(num_replicas)]
     inner = [torch.optim.Adam(m.parameters(), lr=problem.inner_lr) for m in models]
@@ -151,20 +164,32 @@ def simulate(
             opt.step()
         if step % method.period and step != num_steps:
             continue
-        _sync(models, outers)
+        _sync(models, outers, fp16=method.fp16)
         syncs += 1
         if step >= next_eval or step == num_steps:
             next_eval = (step // eval_every + 1) * eval_every
             trace.steps.append(step)
             trace.samples.append(step * problem.batch_size * num_replicas)
-            trace.val_loss.append(_val_loss(models[0], problem))
+            trace.val_loss.append(_val_loss(_consensus(models), problem))
             trace.wire_bytes.append(syncs * per_sync)
             trace.would_be_bytes.append(syncs * would_be)
     return trace
 
 
 @torch.no_grad()
-def _sync(models: list[nn.Module], outers: list[OuterOptimizer]) -> None:
+def _consensus(models: list[nn.Module]) -> nn.Module:
+    """Replica 0, or the replicas' mean when they differ (`unsent_stays_local`): the closing average."""
+    named = [dict(m.named_parameters()) for m in models]
+    if all(torch.equal(named[0][n], p[n]) for p in named[1:] for n in named[0]):
+        return models[0]
+    mean = copy.deepcopy(models[0])
+    for name, param in mean.named_parameters():
+        param.copy_(torch.stack([p[name] for p in named]).mean(0))
+    return mean
+
+
+@torch.no_grad()
+def _sync(models: list[nn.Module], outers: list[OuterOptimizer], *, fp16: bool = False) -> None:
     named = [dict(m.named_parameters()) for m in models]
     if outers:
         proposals = [
@@ -174,6 +199,12 @@ def _sync(models: list[nn.Module], outers: list[OuterOptimizer]) -> None:
         mean = {n: torch.stack([p[n] for p in proposals]).mean(0) for n in proposals[0]}
         for outer, params in zip(outers, named, strict=True):
             for name, value in outer.step(mean).items():
+                params[name].copy_(value)
+    elif fp16:  # each member's values and the result rounded to fp16 (the ring re-rounds partial sums)
+        half = [{n: t.detach().half().float() for n, t in p.items()} for p in named]
+        mean = {n: torch.stack([p[n] for p in half]).mean(0).half().float() for n in half[0]}
+        for params in named:
+            for name, value in mean.items():
                 params[name].copy_(value)
     else:
         mean = {n: torch.stack([p[n].detach() for p in named]).mean(0) for n in named[0]}

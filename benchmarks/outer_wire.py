@@ -42,7 +42,7 @@ class WireTrace:
     steps: list[int] = field(default_factory=list)
     bytes_per_replica: list[int] = field(default_factory=list)  # cumulative, payload bytes sent
     sync_bytes: list[int] = field(default_factory=list)  # per sync: bytes all replicas sent together
-    identical: bool = True  # replicas' parameters bit-identical after every sync (unfragmented)
+    identical: bool = True  # parameters (unsent_stays_local: anchors) bit-identical after every sync
 
 
 def _layer(name: str) -> int:
@@ -118,7 +118,12 @@ async def _train(
         this_sync = sum(m.bytes_sent for m in metrics if m is not None)
         trace.sync_bytes.append(this_sync)
         sent += this_sync
-        if outer.num_fragments == 1:
+        if outer.num_fragments == 1 and outer.unsent_stays_local:  # weights differ by residuals
+            anchors: dict[str, torch.Tensor] = {}
+            for a in averagers.values():
+                for n, theta in a.outer.theta.items():
+                    trace.identical &= torch.equal(anchors.setdefault(n, theta), theta)
+        elif outer.num_fragments == 1:
             trace.identical &= all(
                 torch.equal(named[0][n], named[c][n]) for c in range(1, num_replicas) for n in named[0]
             )

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Mapping
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -92,7 +93,22 @@ class OuterOptimizerConfig(BaseModel):
         compression: ``none``, ``int8``, ``int4`` (per-chunk scale) or ``topk``.
         chunk_numel: elements per quantisation scale.
         topk_fraction: share of entries ``topk`` keeps.
+        topk_chunk: ``topk`` keeps its share in every chunk of this many elements (0: per tensor).
+        topk_bits: bits per kept ``topk`` value (32: fp32; 2-8: sign + magnitude level per chunk).
         error_feedback: keep what compression drops and add it to the next Δ.
+        local_momentum: each replica keeps the momentum of its own Δ and compresses the momentum's
+            (Nesterov) update instead of Δ; the outer step is then θ_outer - lr x the ring's mean
+            (DGC's momentum correction, Lin et al. 2018). Uncompressed it is the same step as the
+            outer momentum (the mean of the replicas' buffers is the buffer of the means); with top-k,
+            what is not sent waits in the residual instead of being amplified by a shared buffer.
+        unsent_stays_local: what compression left out stays in this replica's weights: after a sync it
+            continues from θ_outer - residual (not θ_outer), so its next Δ already holds the residual,
+            which is then not added again. Restarting from θ_outer instead makes inner training redo
+            the unsent progress every sync while the residual also keeps it: counted twice and more.
+            The anchors stay identical; the replicas' weights differ by their residuals until the
+            closing plain average.
+        residual_decay: the residual is scaled by this before it is added to the next Δ (SparseLoCo's
+            error-feedback decay β; 1 keeps it all).
         num_fragments: staggered syncs (Streaming DiLoCo, `stagger.py`): the shards are split into
             this many fragments, each syncing every H steps, one every H / num_fragments steps.
         codec_by_link_mbps: (below_mbps, codec) rows, rates increasing: a ring whose slowest link is
@@ -108,7 +124,12 @@ class OuterOptimizerConfig(BaseModel):
     compression: DeltaCompression = DeltaCompression.NONE
     chunk_numel: int = Field(default=1024, ge=8, le=1 << 24)
     topk_fraction: float = Field(default=0.01, gt=0, le=1)
+    topk_chunk: int = Field(default=0, ge=0, le=1 << 24)
+    topk_bits: int = Field(default=32, ge=2, le=32)
     error_feedback: bool = True
+    local_momentum: bool = False
+    unsent_stays_local: bool = False
+    residual_decay: float = Field(default=1.0, gt=0, le=1)
     num_fragments: int = Field(default=1, ge=1, le=64)
     codec_by_link_mbps: tuple[tuple[float, DeltaCompression], ...] = Field(default=(), max_length=8)
 
@@ -140,6 +161,7 @@ class OuterOptimizer:
         self.momentum: dict[str, Tensor] = {}
         self.residual: dict[str, Tensor] = {}
         self._pending: dict[str, Tensor] = {}  # residuals of the sync in progress
+        self._pending_momentum: dict[str, Tensor] = {}  # local momentum of the sync in progress
         self.payload_bytes = 0  # encoded size of the last sync's pseudo-gradients
 
     @property
@@ -150,6 +172,49 @@ class OuterOptimizer:
     def wire_of(self, kind: DeltaCompression) -> WireCodec | None:
         """The ring codec of `kind` (None: uncompressed, the rings carry P)."""
         return None if kind is DeltaCompression.NONE else WireCodec(kind, self.config.chunk_numel)
+
+    def _codec_args(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "chunk_numel": c.chunk_numel,
+            "topk_fraction": c.topk_fraction,
+            "topk_chunk": c.topk_chunk,
+            "topk_bits": c.topk_bits,
+        }
+
+    def _local_update(self, name: str, delta: Tensor) -> Tensor:
+        """With `local_momentum`: this replica's momentum update of Δ (kept until the step)."""
+        c = self.config
+        if not c.local_momentum or c.momentum == 0:
+            return delta
+        buf = self.momentum.get(name)
+        buf = delta.clone() if buf is None else buf * c.momentum + delta
+        self._pending_momentum[name] = buf
+        return delta + c.momentum * buf if c.nesterov else buf
+
+    def _outer_update(self, name: str, d_bar: Tensor) -> Tensor:
+        """The shared outer momentum's update of the mean Δ̄ (or Δ̄ itself: none, or kept locally)."""
+        c = self.config
+        if c.local_momentum or c.momentum == 0:
+            if name in self._pending_momentum:
+                self.momentum[name] = self._pending_momentum.pop(name)
+            return d_bar
+        buf = self.momentum.get(name)
+        buf = d_bar.clone() if buf is None else buf.mul_(c.momentum).add_(d_bar)
+        self.momentum[name] = buf
+        return d_bar + c.momentum * buf if c.nesterov else buf
+
+    def _continue_from(self, name: str, new: Tensor) -> Tensor:
+        """Where this replica continues: the anchor, less what it did not send (`unsent_stays_local`)."""
+        c = self.config
+        if not (c.unsent_stays_local and c.error_feedback) or name in self.plain or name not in self.residual:
+            return new
+        return new - self.residual[name]
+
+    def _carried(self, name: str) -> Tensor:
+        """The residual added to this sync's Δ (decayed by `residual_decay`)."""
+        decay = self.config.residual_decay
+        return self.residual[name] if decay == 1 else decay * self.residual[name]
 
     def initialise(self, named: Mapping[str, Tensor]) -> None:
         """Anchor every name that has none yet at its current value (the start of training).
@@ -174,6 +239,7 @@ class OuterOptimizer:
         self.payload_bytes = 0
         for name in snapshot:  # only these names: another fragment's sync may be running
             self._pending.pop(name, None)
+            self._pending_momentum.pop(name, None)
         for name, local in snapshot.items():
             if name in self.plain or not local.is_floating_point():
                 out[name] = local
@@ -182,16 +248,14 @@ class OuterOptimizer:
             if name not in self.theta:  # no anchor (e.g. not imported after a re-plan): Δ = 0 this time
                 logger.warning("outer optimizer: %s had no anchor; anchored at its current value", name)
                 self.theta[name] = local.detach().to(torch.float32).clone()
-            if c.compression is DeltaCompression.NONE:
+            if c.compression is DeltaCompression.NONE and not c.local_momentum:
                 out[name] = local
                 self.payload_bytes += 4 * local.numel()
                 continue
-            delta = self.theta[name] - local.detach().to(torch.float32)
-            if c.error_feedback and name in self.residual:
-                delta = delta + self.residual[name]
-            decoded, nbytes = compress(
-                delta, c.compression, chunk_numel=c.chunk_numel, topk_fraction=c.topk_fraction
-            )
+            delta = self._local_update(name, self.theta[name] - local.detach().to(torch.float32))
+            if c.error_feedback and name in self.residual and not c.unsent_stays_local:
+                delta = delta + self._carried(name)
+            decoded, nbytes = compress(delta, c.compression, **self._codec_args())
             self.payload_bytes += nbytes
             if c.error_feedback:
                 self._pending[name] = delta - decoded
@@ -214,20 +278,14 @@ class OuterOptimizer:
                 continue
             p_bar = mean.to(torch.float32)
             d_bar = self.theta[name] - p_bar
-            if c.momentum > 0:
-                buf = self.momentum.get(name)
-                buf = d_bar.clone() if buf is None else buf.mul_(c.momentum).add_(d_bar)
-                self.momentum[name] = buf
-                update = d_bar + c.momentum * buf if c.nesterov else buf
-            else:
-                update = d_bar
+            update = self._outer_update(name, d_bar)
             new = p_bar.clone()
             if c.lr != 1 or c.momentum > 0:  # with lr 1, μ 0 the correction is 0: P̄ exactly
                 new.add_(d_bar - c.lr * update)
             self.theta[name] = new
             if name in self._pending:
                 self.residual[name] = self._pending.pop(name)
-            out[name] = new.to(mean.dtype)
+            out[name] = self._continue_from(name, new).to(mean.dtype)
         return out
 
     # ----- Δ on the wire (`deltawire.py`) ------------------------------------------------------
@@ -247,21 +305,22 @@ class OuterOptimizer:
         self.payload_bytes = 0
         for name in snapshot:  # only these names: another fragment's sync may be running
             self._pending.pop(name, None)
+            self._pending_momentum.pop(name, None)
         for name, local in snapshot.items():
             if name not in self.theta:
                 logger.warning("outer optimizer: %s had no anchor; anchored at its current value", name)
                 self.theta[name] = local.detach().to(torch.float32).clone()
             delta = self.theta[name] - local.detach().to(torch.float32)
-            if c.error_feedback and name in self.residual:
-                delta = delta + self.residual[name]
+            if name not in self.plain:
+                delta = self._local_update(name, delta)
+            if c.error_feedback and name in self.residual and not c.unsent_stays_local:
+                delta = delta + self._carried(name)
             if c.compression is DeltaCompression.TOPK:
-                kept, _ = compress(delta, c.compression, topk_fraction=c.topk_fraction)
+                kept, _ = compress(delta, c.compression, **self._codec_args())
                 if c.error_feedback:
                     self._pending[name] = delta - kept
                 delta = kept
-            self.payload_bytes += encoded_bytes(
-                delta.numel(), c.compression, chunk_numel=c.chunk_numel, topk_fraction=c.topk_fraction
-            )
+            self.payload_bytes += encoded_bytes(delta.numel(), c.compression, **self._codec_args())
             out[name] = delta
         return out
 
@@ -280,20 +339,13 @@ class OuterOptimizer:
             if name in self.plain:
                 new = self.theta[name] - d_bar
             else:
-                if c.momentum > 0:
-                    buf = self.momentum.get(name)
-                    buf = d_bar.clone() if buf is None else buf.mul_(c.momentum).add_(d_bar)
-                    self.momentum[name] = buf
-                    update = d_bar + c.momentum * buf if c.nesterov else buf
-                else:
-                    update = d_bar
-                new = self.theta[name] - c.lr * update
+                new = self.theta[name] - c.lr * self._outer_update(name, d_bar)
             self.theta[name] = new
             if name in self._pending:
                 self.residual[name] = self._pending.pop(name)
             elif c.error_feedback and lost is not None and name in lost:
                 self.residual[name] = lost[name].to(torch.float32).clone()
-            out[name] = new.to(mean.dtype)
+            out[name] = self._continue_from(name, new).to(mean.dtype)
         return out
 
     # ----- moving with the stage state -----------------------------------------------------------
