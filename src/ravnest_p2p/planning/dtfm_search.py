@@ -155,7 +155,7 @@ class _Scorer:
         key = (ka, kb) if ka <= kb else (kb, ka)
         value = self._edge.get(key)
         if value is None:
-            sub = self.model.pp_weights[np.ix_(np.asarray(a), np.asarray(b))]
+            sub = self.model.pp_weights.take(a, 0).take(b, 1)
             hard = self.model.edge_cost(tuple(sorted(a)), tuple(sorted(b)))
             below = sub[sub < hard]
             soft = hard
