@@ -76,6 +76,12 @@ _DP_MEAN_WEIGHT = 0.1
 _REHEAT = 0.3  # later annealing cycles start at this fraction of the calibrated temperature
 _COOL_TO = 1e-3  # every cycle cools down to this fraction of it
 _FIRST_SHARE = 0.75  # of the CPU budget for the first (hottest) annealing cycle
+# Noisy networks (no twins): the calibrated temperature is a random walk; the first cycle starts at
+# this fraction of it, later cycles are short (a share of the budget each) and start cooler.
+_NOISY_START = 0.2
+_NOISY_REHEAT = 0.02
+_NOISY_FIRST_SHARE = 0.8
+_NOISY_LATER_SHARE = 0.04
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,9 @@ class SearchConfig:
             32x: bit-reproducible); 0 (default) schedules cycles by CPU time instead: half the budget,
             then half of what is left, and so on.
         tsp_exact_limit: stage counts up to which the pipeline path is solved exactly in the loop.
+        start_temperature: first annealing cycle's start, as a fraction of the calibrated temperature
+            (None: 1 on networks with twins, 0.2 on noisy ones).
+        reheat: later cycles' start, as that fraction (None: 0.3 with twins, 0.02 on noisy networks).
     """
 
     cpu_budget_s: float = 60.0
@@ -108,6 +117,8 @@ class SearchConfig:
     method: str = "anneal"
     anneal_moves: int = 0
     tsp_exact_limit: int = EXACT_TSP_LIMIT
+    start_temperature: float | None = None
+    reheat: float | None = None
 
 
 @dataclass(frozen=True)
@@ -389,14 +400,19 @@ def _anneal_search(
     initial_best = best_exact
     note((best_exact, 0.0))
     temperature = calibrate_temperature(state, classes, rng)
+    # The noisy schedule is tuned for CPU budgets of tens of seconds; the by-proposals schedule (tests,
+    # reproducible runs) keeps the classic temperatures.
+    noisy = not soft and config.anneal_moves == 0
+    hot = config.start_temperature or (_NOISY_START if noisy else 1.0)
+    reheat = config.reheat or (_NOISY_REHEAT if noisy else _REHEAT)
     cycles = proposals = 0
     while cycles < config.max_generations and not out_of_time():
-        progress = _schedule(config, cycles, clock, started, out_of_time)
+        progress = _schedule(config, cycles, clock, started, out_of_time, noisy=noisy)
         outcome = anneal(
             state,
             classes,
             rng,
-            start_temperature=temperature if cycles == 0 else temperature * _REHEAT,
+            start_temperature=temperature * (hot if cycles == 0 else reheat),
             end_temperature=temperature * _COOL_TO,
             progress=progress,
             on_best=lambda s: note((s.cost, 0.0)),
@@ -429,6 +445,8 @@ def _schedule(
     clock: Callable[[], float],
     started: float,
     out_of_time: Callable[[], bool],
+    *,
+    noisy: bool = False,
 ) -> Callable[[int], float]:
     """Progress of annealing cycle ``cycle``: by proposals when ``anneal_moves`` is set, else by CPU time.
 
@@ -446,8 +464,13 @@ def _schedule(
 
         return by_moves
     begin = clock() - started
-    share = _FIRST_SHARE if cycle == 0 else 0.5
-    span = max((config.cpu_budget_s - begin) * share, 1e-6)
+    if noisy:
+        left = config.cpu_budget_s - begin
+        span = left * _NOISY_FIRST_SHARE if cycle == 0 else min(left, config.cpu_budget_s * _NOISY_LATER_SHARE)
+        span = max(span, 1e-6)
+    else:
+        share = _FIRST_SHARE if cycle == 0 else 0.5
+        span = max((config.cpu_budget_s - begin) * share, 1e-6)
     latest = [0.0]
 
     def by_time(done: int) -> float:
