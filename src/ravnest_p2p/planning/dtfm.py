@@ -20,11 +20,13 @@ latency matrix ``alpha`` (seconds) and bandwidth matrix ``beta`` (bytes/s), its 
 
 * total = DP + PP (the paper's communication cost; computation is the same in every placement).
 
-Methods. Bottleneck matching: binary search over the distinct weights above an easy lower bound (the
-largest row or column minimum), each step a Kuhn augmenting-path test on bitmask adjacency, warm-started
-from the matching of the previous step (a matching stays valid at a higher threshold; a perfect one
-keeps its cheap pairs at a lower one): exact, ~3x fewer augmentations than cold starts on 16x16 noisy
-matrices. Open-loop TSP: Held-Karp over (visited set, last group), one vectorised step per subset size;
+Methods. Bottleneck matching: a maximum matching (Kuhn, bitmask adjacency) of the entries up to an
+easy lower bound (the largest row or column minimum, often the answer), then the other entries in
+increasing order, each added to an alternating forest grown from the free rows until the matching is
+perfect; the entry that completes it is the bottleneck. Exact; 16 us at 8x8 and 30 us at 16x16 on
+noisy matrices, against 35 / 65 us for the binary search over thresholds with warm-started Kuhn
+runs it replaced (same values on 3,000 random matrices with and without ties).
+Open-loop TSP: Held-Karp over (visited set, last group), one vectorised step per subset size;
 exact, O(2^n n^2): 0.19 ms at 8 groups, 3 ms at 12, ~90 ms at 16 (`dtfm_paths` takes over in the search
 loop beyond 12). Both are checked against brute force in the unit tests.
 

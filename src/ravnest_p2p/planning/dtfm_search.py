@@ -466,7 +466,9 @@ def _schedule(
     begin = clock() - started
     if noisy:
         left = config.cpu_budget_s - begin
-        span = left * _NOISY_FIRST_SHARE if cycle == 0 else min(left, config.cpu_budget_s * _NOISY_LATER_SHARE)
+        span = (
+            left * _NOISY_FIRST_SHARE if cycle == 0 else min(left, config.cpu_budget_s * _NOISY_LATER_SHARE)
+        )
         span = max(span, 1e-6)
     else:
         share = _FIRST_SHARE if cycle == 0 else 0.5
