@@ -49,13 +49,16 @@ thousands of matchings). What the GA work taught us is kept:
   (`dtfm_structure.structured_placements`); the GA uses site moves as mutations, the annealer (on
   networks with twins) a compound move spreading a site over consecutive path positions.
 
-Measured now (`benchmarks/results/placement.md`, 60 s CPU, a busy 2-core host): all four public
+Measured at commit c5542d8, before the faster matching and path search and the noisy schedule
+(`benchmarks/results/placement.md`, 60 s CPU, a busy 2-core host): all four public
 scenarios reach the best-known cost (seed 0) with the structure-aware starts (in < 0.01 s) and without
 them (2.3-45 s CPU; ``datacenter_spot`` needs the site moves of `dtfm_anneal`). Hard noisy cases
 (`benchmarks/placement_cases.py`), seeds 0 and 1, ours vs. a plain annealer with the same budget:
 8x8 67.6 / 67.2 vs 65.0 / 68.1 s; 8x16 53.0 / 52.1 vs 53.3 / 54.8 s; 16x8 86.7 / 87.4 vs 100.0 /
 100.5 s (the path heuristic pays: ~30k proposals against the plain annealer's exact 16-group paths).
 Ours is within 1.05x of the references (best found by anything), not the 1.02x we aimed for.
+Since then a swap proposal costs 0.55 / 0.95 / 1.05 ms on the 8x8 / 8x16 / 16x8 hard cases against
+1.06 / 2.65 / 2.32 ms before (`benchmarks/bench_placement_swaps.py`, both trees at once, load ~40).
 
 Known limits. No optimality proof. Above ``tsp_exact_limit`` groups the in-loop pipeline cost is a
 local-search upper bound (the reported cost is exact). With the default time-sliced schedule a result
