@@ -15,10 +15,11 @@ the same per-pair noise. Workload sizes are the public ones (GPT3-XL per stage).
 Reference costs (`data/placement_references.json`) are the best cost any of our methods found on the
 case with a long budget; recompute or extend them with::
 
-    PYTHONPATH=src:. nice -n 19 python -m benchmarks.placement_cases --reference-cpu-s 600
+    PYTHONPATH=src:. nice -n 5 python -m benchmarks.placement_cases --reference-cpu-s 600 [--method plain]
 
-which runs the annealing search (seed 100 + i, structure starts on) for that CPU budget per case and
-keeps, per case, the better of the file's value and the new one (with what produced it).
+which runs the annealing search (or, with ``--method plain``, the plain annealer of
+`placement_baseline`; seed 100 + i) for that CPU budget per case and keeps, per case, the better of the
+file's value and the new one (with what produced it, its budget and the CPU it used).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.placement_baseline import plain_anneal
 from ravnest_p2p.planning.dtfm import CostModel, Workload
 from ravnest_p2p.planning.dtfm_search import SearchConfig, hybrid_search
 
@@ -148,25 +150,35 @@ def load_references() -> dict[str, dict[str, Any]]:
     return data
 
 
-def update_references(cpu_s: float, cases: list[HardCase]) -> dict[str, dict[str, Any]]:
-    """Run the search for ``cpu_s`` CPU seconds per case; keep the better of old and new references."""
+def update_references(cpu_s: float, cases: list[HardCase], method: str = "ours") -> dict[str, dict[str, Any]]:
+    """Run a search for ``cpu_s`` CPU seconds per case; keep the better of old and new references.
+
+    ``method``: ``"ours"`` (`hybrid_search`, seed 100 + i) or ``"plain"`` (the plain annealer of
+    `placement_baseline`, same seeds).
+    """
     refs = load_references()
     for index, case in enumerate(cases):
         model = case.model()
         seed = 100 + index
         started = time.process_time()
-        result = hybrid_search(model, SearchConfig(cpu_budget_s=cpu_s, seed=seed))
+        if method == "plain":
+            placement, _, _ = plain_anneal(model, cpu_s, seed)
+            label = "plain_anneal (benchmarks/placement_baseline.py)"
+        else:
+            placement = hybrid_search(model, SearchConfig(cpu_budget_s=cpu_s, seed=seed)).placement
+            label = "hybrid_search(method='anneal')"
         spent = time.process_time() - started
-        cost = model.cost(result.placement)
+        cost = model.cost(placement)
         old = refs.get(case.name)
         print(f"{case.name}: {cost:.4f} s ({spent:.0f} s CPU); previous {old and old['cost_s']}", flush=True)
         if old is None or cost < old["cost_s"]:
             refs[case.name] = {
                 "cost_s": cost,
-                "method": "hybrid_search(method='anneal')",
+                "method": label,
                 "seed": seed,
+                "budget_cpu_s": cpu_s,
                 "cpu_s": round(spent, 1),
-                "placement": [list(g) for g in result.placement],
+                "placement": [list(g) for g in placement],
                 "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
     save_references(refs)
@@ -192,11 +204,12 @@ def main() -> None:
     parser.add_argument("--reference-cpu-s", type=float, default=600.0)
     parser.add_argument("--seeds", type=int, nargs="*", default=[0])
     parser.add_argument("--only", nargs="*", default=None, help="case names to run (default: all)")
+    parser.add_argument("--method", choices=("ours", "plain"), default="ours")
     args = parser.parse_args()
     cases = default_cases(tuple(args.seeds))
     if args.only:
         cases = [c for c in cases if c.name in set(args.only)]
-    update_references(args.reference_cpu_s, cases)
+    update_references(args.reference_cpu_s, cases, args.method)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,13 @@ latency matrix ``alpha`` (seconds) and bandwidth matrix ``beta`` (bytes/s), its 
 
 * total = DP + PP (the paper's communication cost; computation is the same in every placement).
 
-Methods. Bottleneck matching: binary search over the distinct weights above an easy lower bound (the
-largest row or column minimum), each step a Kuhn augmenting-path test on bitmask adjacency, warm-started
-from the matching of the previous step (a matching stays valid at a higher threshold; a perfect one
-keeps its cheap pairs at a lower one): exact, ~3x fewer augmentations than cold starts on 16x16 noisy
-matrices. Open-loop TSP: Held-Karp over (visited set, last group), one vectorised step per subset size;
+Methods. Bottleneck matching: a maximum matching (Kuhn, bitmask adjacency) of the entries up to an
+easy lower bound (the largest row or column minimum, often the answer), then the other entries in
+increasing order, each added to an alternating forest grown from the free rows until the matching is
+perfect; the entry that completes it is the bottleneck. Exact; 16 us at 8x8 and 30 us at 16x16 on
+noisy matrices, against 35 / 65 us for the binary search over thresholds with warm-started Kuhn
+runs it replaced (same values on 3,000 random matrices with and without ties).
+Open-loop TSP: Held-Karp over (visited set, last group), one vectorised step per subset size;
 exact, O(2^n n^2): 0.19 ms at 8 groups, 3 ms at 12, ~90 ms at 16 (`dtfm_paths` takes over in the search
 loop beyond 12). Both are checked against brute force in the unit tests.
 
@@ -150,42 +152,96 @@ def bottleneck_matching(weights: np.ndarray) -> tuple[float, tuple[int, ...]]:
     if size == 0:
         return 0.0, ()
     # Every row and every column must be matched: the largest row/column minimum is a lower bound,
-    # and on structured networks it is usually the answer (one Kuhn run instead of a search).
+    # and usually the answer or close to it. A maximum matching at that level, then the remaining
+    # entries in increasing order, each added to an alternating forest grown from the free rows: an
+    # entry from a reached row to an unreached column either reaches a free column (augment; the
+    # matching stays maximum) or extends the forest. The entry that completes the matching is the
+    # bottleneck. Each augmentation costs O(entries) bit operations; no threshold is tried twice.
     lower = max(float(weights.min(axis=1).max()), float(weights.min(axis=0).max()))
-    levels = np.unique(weights[weights >= lower])
-
-    # Warm starts keep the search cheap: a matching found at a lower threshold stays valid at any
-    # higher one, and a perfect matching at a higher threshold keeps its pairs below a lower one.
-    below: list[int] | None = None  # largest partial matching seen at an infeasible level
-    above: list[int] | None = None  # perfect matching at the lowest feasible level so far
-
-    def feasible(index: int) -> list[int] | None:
-        nonlocal below
-        masks = _row_masks(weights <= levels[index])
-        matched, row_of_col = _kuhn(masks, size, perfect=True, start=below or above)
-        if matched == size:
-            return row_of_col
-        below = row_of_col
-        return None
-
-    best = feasible(0)
-    lo = 0
-    if best is None:
-        lo, hi = 1, len(levels) - 1  # the last level allows every pair: always feasible
-        best = feasible(hi)
-        assert best is not None
-        above = best
-        while lo < hi:
-            mid = (lo + hi) // 2
-            found = feasible(mid)
-            if found is None:
-                lo = mid + 1
-            else:
-                hi, best, above = mid, found, found
+    adjacency = _row_masks(weights <= lower)
+    matched, row_of_col = _kuhn(adjacency, size, perfect=False)
+    level = lower
+    if matched < size:
+        flat = weights.ravel()
+        rest = np.flatnonzero(flat > lower)
+        rest = rest[np.argsort(flat[rest], kind="stable")].tolist()
+        level = _complete(adjacency, row_of_col, matched, rest, flat, size)
     col_of_row = [0] * size
-    for col, row in enumerate(best):
+    for col, row in enumerate(row_of_col):
         col_of_row[row] = col
-    return float(levels[lo]), tuple(col_of_row)
+    return level, tuple(col_of_row)
+
+
+def _complete(
+    adjacency: list[int], row_of_col: list[int], matched: int, entries: list[int], flat: np.ndarray, size: int
+) -> float:
+    """Add ``entries`` (flat indices, increasing weight) until the matching is perfect; its last weight.
+
+    ``row_of_col`` holds a maximum matching of ``adjacency`` and is completed in place.
+    """
+    via_row = [-1] * size  # the reached row each reached column was reached from
+    col_of_row = [-1] * size
+    for col, row in enumerate(row_of_col):
+        if row >= 0:
+            col_of_row[row] = col
+    reached_rows = reached_cols = 0
+
+    def grow(queue: list[int]) -> int:
+        """Extend the forest from ``queue``'s rows; a free column reached (or -1)."""
+        nonlocal reached_rows, reached_cols
+        while queue:
+            row = queue.pop()
+            fresh = adjacency[row] & ~reached_cols
+            while fresh:
+                low = fresh & -fresh
+                fresh ^= low
+                col = low.bit_length() - 1
+                reached_cols |= low
+                via_row[col] = row
+                nxt = row_of_col[col]
+                if nxt < 0:
+                    return col
+                reached_rows |= 1 << nxt
+                queue.append(nxt)
+        return -1
+
+    def augment(col: int) -> None:
+        while col >= 0:
+            row = via_row[col]
+            previous = col_of_row[row]
+            row_of_col[col], col_of_row[row] = row, col
+            col = previous
+
+    def restart() -> int:
+        nonlocal reached_rows, reached_cols
+        free = [r for r in range(size) if col_of_row[r] < 0]
+        reached_rows, reached_cols = sum(1 << r for r in free), 0
+        return grow(free)
+
+    found = restart()
+    while found >= 0:  # only if the caller's matching was not maximum
+        augment(found)
+        matched += 1
+        found = restart()
+    for index in entries:
+        row, col = divmod(index, size)
+        adjacency[row] |= 1 << col
+        if not (reached_rows >> row) & 1 or (reached_cols >> col) & 1:
+            continue
+        reached_cols |= 1 << col
+        via_row[col] = row
+        found = col if row_of_col[col] < 0 else -1
+        if found < 0:
+            nxt = row_of_col[col]
+            reached_rows |= 1 << nxt
+            found = grow([nxt])
+        while found >= 0:
+            augment(found)
+            matched += 1
+            if matched == size:
+                return float(flat[index])
+            found = restart()
+    raise AssertionError("a complete bipartite graph has a perfect matching")
 
 
 @lru_cache(maxsize=32)
@@ -275,7 +331,7 @@ class CostModel:
 
     def group_dp_cost(self, group: Sequence[int]) -> float:
         idx = np.asarray(group)
-        return float(self.dp_weights[np.ix_(idx, idx)].sum(axis=1).max())
+        return float(self.dp_weights.take(idx, 0).take(idx, 1).sum(axis=1).max())
 
     def dp_cost(self, placement: Placement) -> float:
         """Eq. 2: the slowest all-reduce over all stage groups."""
@@ -288,7 +344,7 @@ class CostModel:
         if value is None:
             if len(self._edge_cache) > 200_000:
                 self._edge_cache.clear()
-            value = bottleneck_matching(self.pp_weights[np.ix_(np.asarray(a), np.asarray(b))])[0]
+            value = bottleneck_matching(self.pp_weights.take(a, 0).take(b, 1))[0]
             self._edge_cache[key] = value
         return value
 

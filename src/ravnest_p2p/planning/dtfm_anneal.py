@@ -105,7 +105,7 @@ class SwapState:
         cache = self._gain_cache
         if key in cache:
             return hard, cache[key]
-        sub = self.model.pp_weights[np.ix_(np.asarray(a), np.asarray(b))]
+        sub = self.model.pp_weights.take(a, 0).take(b, 1)
         below = sub[sub < hard]
         gain = 0.0
         if below.size:

@@ -6,12 +6,14 @@ is exact but ``O(2^n n^2)``: measured 0.5 ms at 8 groups, 2.8 ms at 12 and 52 ms
 vectorised over subsets). A placement search evaluating thousands of swaps cannot pay 52 ms per swap.
 
 Method. `shortest_path` runs Held-Karp up to ``exact_limit`` groups; above it, `improve_path` runs
-first-improvement 2-opt (reverse a segment) and Or-opt (move a segment of 1-3 groups, either way round)
-on the open path until neither helps. A swap changes two groups only, so the previous order is an
-excellent warm start: the search passes it as ``hint``; without a hint we start from the identity
-order and from greedy nearest-neighbour paths out of every group and keep the best. The result is never
-worse than any start (so never worse than the identity order). Distances must be symmetric (the DT-FM
-pipeline edges are).
+2-opt (reverse a segment) and Or-opt (move a segment of 1-3 groups, either way round) on the open path
+until neither helps: every move is scored at once with numpy on the path padded with a zero-distance
+dummy at both ends, and the best one applied (best improvement; ~0.08 ms per check at 16 groups against
+~0.4 ms for the first-improvement Python loops it replaced, same lengths on 40 of 40 test instances).
+A swap changes two groups only, so the previous order is an excellent warm start: the search passes it
+as ``hint``; without a hint we start from the identity order and from greedy nearest-neighbour paths
+out of every group and keep the best. The result is never worse than any start (so never worse than the
+identity order). Distances must be symmetric (the DT-FM pipeline edges are).
 
 Alternatives rejected. A cached Held-Karp (reuse the subset table for the unchanged groups) still needs
 ``O(2^n)`` memory per state and all rows change meaning when two groups change; Lin-Kernighan is more
@@ -23,6 +25,7 @@ the instances the unit tests enumerate. Limits: above ``exact_limit`` the result
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import numpy as np
 
@@ -54,60 +57,76 @@ def _length(d: list[list[float]], order: list[int]) -> float:
     return sum(d[order[i]][order[i + 1]] for i in range(len(order) - 1))
 
 
-def _two_opt_pass(d: list[list[float]], order: list[int]) -> bool:
-    """One first-improvement 2-opt move on an open path (segment reversal, ends included)."""
-    n = len(order)
-    for i in range(n - 1):
-        a_prev = order[i - 1] if i > 0 else -1
-        a = order[i]
-        for j in range(i + 1, n):
-            b = order[j]
-            b_next = order[j + 1] if j + 1 < n else -1
-            before = (d[a_prev][a] if a_prev >= 0 else 0.0) + (d[b][b_next] if b_next >= 0 else 0.0)
-            after = (d[a_prev][b] if a_prev >= 0 else 0.0) + (d[a][b_next] if b_next >= 0 else 0.0)
-            if after < before - 1e-12 * max(1.0, before):
-                order[i : j + 1] = order[i : j + 1][::-1]
-                return True
-    return False
+@lru_cache(maxsize=64)
+def _moves(n: int) -> tuple[np.ndarray, ...]:
+    """Index arrays of every 2-opt and Or-opt move on a padded path ``P`` of ``n + 2`` positions.
 
-
-def _or_opt_pass(d: list[list[float]], order: list[int]) -> bool:
-    """One first-improvement Or-opt move: a segment of 1-3 nodes moved elsewhere, either way round."""
-    n = len(order)
-
-    def link(x: int, y: int) -> float:
-        return d[x][y] if x >= 0 and y >= 0 else 0.0
-
+    ``P[0]`` and ``P[n + 1]`` are a dummy node at distance 0 from everything (the open ends). A move is
+    ``(i, j, k, reverse)``: the segment ``P[i..j]`` goes into the gap ``(P[k], P[k + 1])``, reversed or
+    not; ``k = i - 1`` with ``reverse`` is a 2-opt (the segment reversed in place).
+    """
+    rows: list[tuple[int, int, int, int]] = []
+    for i in range(1, n + 1):
+        rows += [(i, j, i - 1, 1) for j in range(i + 1, n + 1)]  # 2-opt
     for size in (1, 2, 3):
-        if size >= n:
-            break
-        for i in range(n - size + 1):
-            segment = order[i : i + size]
-            p = order[i - 1] if i > 0 else -1
-            q = order[i + size] if i + size < n else -1
-            gain = link(p, segment[0]) + link(segment[-1], q) - link(p, q)
-            rest = order[:i] + order[i + size :]
-            for piece in (segment, segment[::-1]):
-                first, last = piece[0], piece[-1]
-                for k in range(len(rest) + 1):
-                    if k == i and piece is segment:
-                        continue
-                    x = rest[k - 1] if k > 0 else -1
-                    y = rest[k] if k < len(rest) else -1
-                    added = link(x, first) + link(last, y) - link(x, y)
-                    if added < gain - 1e-12 * max(1.0, gain):
-                        order[:] = rest[:k] + piece + rest[k:]
-                        return True
-    return False
+        for i in range(1, n - size + 2):
+            j = i + size - 1
+            for k in [*range(0, i - 1), *range(j + 1, n + 1)]:
+                rows.append((i, j, k, 0))
+                if size > 1:
+                    rows.append((i, j, k, 1))
+    if not rows:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty, empty, empty, empty
+    table = np.array(rows, dtype=np.int64)
+    start, end, gap, rev = table[:, 0], table[:, 1], table[:, 2], table[:, 3]
+    first = np.where(rev == 1, end, start)
+    last = np.where(rev == 1, start, end)
+    return start, end, gap, rev, first, last
+
+
+def _apply(padded: list[int], i: int, j: int, k: int, reverse: int) -> list[int]:
+    piece = padded[i : j + 1]
+    if reverse:
+        piece = piece[::-1]
+    if k == i - 1:
+        return padded[:i] + piece + padded[j + 1 :]
+    if k < i:
+        return padded[: k + 1] + piece + padded[k + 1 : i] + padded[j + 1 :]
+    return padded[:i] + padded[j + 1 : k + 1] + piece + padded[k + 1 :]
 
 
 def improve_path(distances: np.ndarray, order: Sequence[int]) -> tuple[float, tuple[int, ...]]:
-    """2-opt + Or-opt local search on an open path from ``order``; never returns a longer path."""
-    d = distances.tolist()
+    """2-opt + Or-opt local search on an open path from ``order``; never returns a longer path.
+
+    Best improvement: every 2-opt move (reverse a segment) and Or-opt move (a segment of 1-3 nodes moved
+    elsewhere, either way round) is scored at once with numpy, the best applied, until none improves.
+    """
+    n = distances.shape[0]
     work = list(order)
-    while _two_opt_pass(d, work) or _or_opt_pass(d, work):
-        pass
-    return _length(d, work), tuple(work)
+    if n >= 3:
+        padded_d = np.zeros((n + 1, n + 1))
+        padded_d[:n, :n] = distances
+        i, j, k, rev, first, last = _moves(n)
+        padded = [n, *work, n]
+        while True:
+            p = np.asarray(padded)
+            removed = padded_d[p[k], p[k + 1]] + padded_d[p[i - 1], p[i]] + padded_d[p[j], p[j + 1]]
+            same_gap = k == i - 1
+            added = np.where(
+                same_gap,
+                padded_d[p[i - 1], p[j]] + padded_d[p[i], p[j + 1]],
+                padded_d[p[k], p[first]] + padded_d[p[last], p[k + 1]] + padded_d[p[i - 1], p[j + 1]],
+            )
+            removed = np.where(same_gap, padded_d[p[i - 1], p[i]] + padded_d[p[j], p[j + 1]], removed)
+            delta = added - removed
+            best = int(np.argmin(delta))
+            scale = max(1.0, float(removed[best]))
+            if not delta[best] < -1e-12 * scale:
+                break
+            padded = _apply(padded, int(i[best]), int(j[best]), int(k[best]), int(rev[best]))
+        work = padded[1:-1]
+    return path_length(distances, work), tuple(work)
 
 
 def shortest_path(

@@ -14,6 +14,7 @@ from ravnest_p2p.planning import (
     open_loop_tsp,
     random_placement,
 )
+from ravnest_p2p.planning.dtfm import max_matching_size
 
 
 def _tiny_model(latency_s: float) -> CostModel:
@@ -67,6 +68,19 @@ def test_bottleneck_matching_equals_brute_force(seed: int) -> None:
     weights = rng.integers(0, 6, (n, n)).astype(float) if seed % 2 else rng.random((n, n))
     value, col_of_row = bottleneck_matching(weights)
     expected = min(max(weights[i, p[i]] for i in range(n)) for p in itertools.permutations(range(n)))
+    assert value == expected
+    assert sorted(col_of_row) == list(range(n))
+    assert max(weights[i, col_of_row[i]] for i in range(n)) == value
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_bottleneck_matching_equals_the_lowest_perfect_threshold_on_larger_matrices(seed: int) -> None:
+    # Beyond brute force: the lowest level at which a (cold, independent) maximum matching is perfect.
+    rng = np.random.default_rng(1000 + seed)
+    n = int(rng.integers(7, 17))
+    weights = rng.integers(0, 9, (n, n)).astype(float) if seed % 2 else rng.lognormal(0, 0.4, (n, n))
+    value, col_of_row = bottleneck_matching(weights)
+    expected = next(t for t in np.unique(weights) if max_matching_size(weights, float(t)) == n)
     assert value == expected
     assert sorted(col_of_row) == list(range(n))
     assert max(weights[i, col_of_row[i]] for i in range(n)) == value
