@@ -31,7 +31,7 @@ from ravnest_p2p.training.data import ArrayDataset
 from ravnest_p2p.training.handover import HandoverError, fetch_state
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import StageMetrics
-from ravnest_p2p.training.stage_state import OPTIM_PREFIX, StageState, expected_entries, merge_states
+from ravnest_p2p.training.stage_state import StageState, expected_entries, is_model_entry, merge_states
 from ravnest_p2p.training.stages import build_stage, load_dataset
 from ravnest_p2p.transport.rpc import RpcEndpoint
 
@@ -83,7 +83,7 @@ async def assemble_checkpoint(
     """
     reference = build_stage(job, 0, len(build_model(job.model, job.model_params)), max_in_flight=1)
     expected = expected_entries(reference)
-    model_names = {n for n in expected if not n.startswith(OPTIM_PREFIX)}
+    model_names = {n for n in expected if is_model_entry(n)}  # not optimizer or outer state
     num_layers = len(reference.module)
     clusters = _clusters(metrics, job.job_id)
     if not clusters:
@@ -161,7 +161,7 @@ def load_model(
     job = JobSpec.model_validate(manifest.job)
     module = nn.Sequential(*build_model(job.model, job.model_params, seed=job.seed))
     module.load_state_dict(
-        {n: t for n, t in state.tensors.items() if not n.startswith(OPTIM_PREFIX)}, strict=True
+        {n: t for n, t in state.tensors.items() if is_model_entry(n)}, strict=True
     )
     return job, module.eval(), manifest
 

@@ -62,6 +62,7 @@ __all__ = [
     "dtype_name",
     "entries_digest",
     "expected_entries",
+    "is_model_entry",
     "layer_of",
     "live_tensors",
     "merge_states",
@@ -106,9 +107,12 @@ def _split_outer(name: str) -> tuple[str, str] | None:
     return (param, slot) if param and slot else None
 
 
-def _is_model(name: str) -> bool:
+def is_model_entry(name: str) -> bool:
     """A parameter or buffer (not optimizer or outer-optimizer state)."""
     return _split_optim(name) is None and _split_outer(name) is None
+
+
+_is_model = is_model_entry
 
 
 def outer_tensors(state: StageState) -> dict[str, Tensor]:
