@@ -160,9 +160,7 @@ def load_model(
         raise ValueError(f"{path} is a {manifest.kind} checkpoint, not a model's")
     job = JobSpec.model_validate(manifest.job)
     module = nn.Sequential(*build_model(job.model, job.model_params, seed=job.seed))
-    module.load_state_dict(
-        {n: t for n, t in state.tensors.items() if is_model_entry(n)}, strict=True
-    )
+    module.load_state_dict({n: t for n, t in state.tensors.items() if is_model_entry(n)}, strict=True)
     return job, module.eval(), manifest
 
 

@@ -97,6 +97,16 @@ async def test_members_with_different_codecs_refuse_each_other():
 
 
 async def test_a_cluster_dying_mid_sync_is_left_out_and_nothing_is_applied_half_way():
+    # the kill is timed by polling the victim's sessions: on a busy host the whole sync can finish first
+    # (then the run shows nothing), so the scenario is tried afresh a few times
+    for _ in range(5):
+        if await _a_sync_with_a_kill():
+            return
+    pytest.skip("every sync finished before the kill landed (a very busy host): nothing was interrupted")
+
+
+async def _a_sync_with_a_kill() -> bool:
+    """One swarm, two good syncs, a third with one cluster killed mid-way; False if the kill came late."""
     config = OuterOptimizerConfig(compression=DeltaCompression.INT8, chunk_numel=64)
     nets = []
     small = PARTS.model_copy(update={"part_size_bytes": 1024})
@@ -139,7 +149,8 @@ async def test_a_cluster_dying_mid_sync_is_left_out_and_nothing_is_applied_half_
             assert torch.equal(live[victim][n], victim_live[n])
             if n in momentum:
                 assert torch.equal(victim_outer.momentum[n], momentum[n])
-    assert interrupted, "the kill came too late to interrupt a ring"
+    if not interrupted:
+        return False  # the kill came too late to interrupt a ring
     # the survivors of every ring took the same step (`commit.py`: a member whose attempt failed after
     # another's completed applies or fetches that mean instead of keeping its values)
     shard_map = shard_map_of(averagers[victim])
@@ -154,6 +165,7 @@ async def test_a_cluster_dying_mid_sync_is_left_out_and_nothing_is_applied_half_
             )
     digests = cluster_digests(live, cluster_of)
     assert digests[0] != digests[2]
+    return True
 
 
 def shard_map_of(averager):
