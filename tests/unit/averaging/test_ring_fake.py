@@ -153,9 +153,10 @@ async def test_member_dying_mid_round_is_dropped_within_the_deadline():
             expected = mean_of(contributors)
             for name in shard.names:
                 torch.testing.assert_close(averaged[name].double(), expected[name], atol=1e-6, rtol=0)
-            if victim in shard.owners:
-                assert victim not in ring.participants
-                assert ring.attempts >= 2
+            if victim in shard.owners and victim not in ring.participants:
+                assert ring.attempts >= 2  # dropped: the ring went round again without it
+            elif victim in shard.owners:  # its attempt completed before the kill landed (a busy host):
+                assert ring.attempts == 1  # the survivors apply that mean (`averaging/commit.py`)
 
 
 async def test_round_without_answering_peers_returns_local_values_by_the_deadline():
