@@ -183,7 +183,8 @@ class RunClient:
         max_ttl_s = self.dht.max_ttl_s(JOB_KEY)
         if max_ttl_s is not None and ttl_s > max_ttl_s:
             raise ValueError(f"a job's ttl_s is at most {max_ttl_s:.0f} s (got {ttl_s:.0f})")
-        if not await self.dht.store_own(JOB_KEY, job.to_wire(), ttl_s=ttl_s):
+        # pinned at the initial peers too: the job must outlive a restart of every peer that held it
+        if not await self.dht.store_own(JOB_KEY, job.to_wire(), ttl_s=ttl_s, pin_to_initial_peers=True):
             raise RavnestError("no DHT peer accepted the job")
 
     async def publish_owners(self, keys: Sequence[str], *, ttl_s: float = 86400.0) -> None:
@@ -195,7 +196,9 @@ class RunClient:
         if max_ttl_s is not None and ttl_s > max_ttl_s:
             raise ValueError(f"the owners record's ttl_s is at most {max_ttl_s:.0f} s (got {ttl_s:.0f})")
         record = OwnersRecord(owner=self.peer_id, keys=tuple(keys), updated_at=dht_time())
-        if not await self.dht.store_own(OWNERS_KEY, record.model_dump(mode="json"), ttl_s=ttl_s):
+        if not await self.dht.store_own(
+            OWNERS_KEY, record.model_dump(mode="json"), ttl_s=ttl_s, pin_to_initial_peers=True
+        ):
             raise RavnestError("no DHT peer accepted the owners record")
 
     async def metrics(self, *, epoch: int | None = None, job_id: str | None = None) -> list[StageMetrics]:

@@ -66,8 +66,12 @@ def pick_job(
 async def read_job_signed(dht: ProgressStore, *, run_owner: str | None = None) -> tuple[str, JobSpec] | None:
     """(signer, job) of the run's current job (see `pick_job_signed`); `run_owner` defaults to the DHT's."""
     run_owner = run_owner if run_owner is not None else dht.run_owner
-    found = await dht.get_signed(JOB_KEY)
-    owners = await dht.get_signed(OWNERS_KEY) if run_owner is not None and found else {}
+    # the initial peers hold pinned copies (`RunClient.publish_job`): after every peer of a run restarted,
+    # the replicas the DHT search reaches may all be restarted peers that lost the record
+    found = await dht.get_signed(JOB_KEY, from_initial_peers=True)
+    owners = (
+        await dht.get_signed(OWNERS_KEY, from_initial_peers=True) if run_owner is not None and found else {}
+    )
     return pick_job_signed(found, run_owner=run_owner, owners=owners)
 
 

@@ -261,15 +261,24 @@ async def read_progress(dht: ProgressStore, job_id: str, *, owner_peer_id: str |
     return merge_progress(records, job_id=job_id, owner_peer_id=owner_peer_id)
 
 
-async def publish_progress(dht: ProgressStore, record: JobProgress, *, final: bool = False) -> bool:
-    """Store `record` under our own subkey of `progress` (final records also at the initial peers).
+async def publish_progress(
+    dht: ProgressStore, record: JobProgress, *, final: bool = False, pin: bool | None = None
+) -> bool:
+    """Store `record` under our own subkey of `progress`; `pin` (default: `final`) also stores it at the
+    initial peers.
 
-    The record is stamped with the DHT time now (the run's validator refuses values that are not fresh).
+    The key's nearest nodes may all be the run's peers: when every peer restarts, a record that lived only
+    there is gone, and the restarted peers would not know where the job stood. Pinned copies live on the
+    initial peers (the bootstrap nodes), which `read_progress` also asks. The record is stamped with the DHT
+    time now (the run's validator refuses values that are not fresh).
     """
     record = record.model_copy(update={"updated_at": dht_time()})
     try:
         return await dht.store_own(
-            PROGRESS_KEY, record.model_dump(mode="json"), ttl_s=PROGRESS_TTL_S, pin_to_initial_peers=final
+            PROGRESS_KEY,
+            record.model_dump(mode="json"),
+            ttl_s=PROGRESS_TTL_S,
+            pin_to_initial_peers=final if pin is None else pin,
         )
     except Exception as exc:  # best effort; the next publication retries
         logger.debug("progress publication failed: %r", exc)

@@ -62,6 +62,9 @@ logger = logging.getLogger(__name__)
 
 _FINAL_METRICS_S = 30.0
 _HANDOVER_PROGRESS_S = 3.0
+# a first stage's progress also goes to the initial peers this often (and at the end or a hand-over): the
+# copy a full restart reads when every peer that held the record restarted (`publish_progress`)
+_PIN_PROGRESS_S = 30.0
 
 Placement = StageRole  # the old name of a stage's place in a job
 
@@ -123,6 +126,7 @@ class StageRunner(InPlaceMoves):
         self.held_state: HeldState | None = None  # the stage's state when the run ended or was cancelled
         self._done = False
         self._failure: str | None = None
+        self._progress_pinned_at = -1e18  # monotonic time of the last progress copy at the initial peers
         self._datasets: tuple[ArrayDataset, ArrayDataset] | None = None
         self._tasks = TaskOwner("stage-runner")
         self._started = time.monotonic()
@@ -240,7 +244,9 @@ class StageRunner(InPlaceMoves):
         if self.dht is None:
             return
         if self.role.is_first:
-            await publish_progress(self.dht, self.progress(), final=final)
+            pin = final or time.monotonic() - self._progress_pinned_at >= _PIN_PROGRESS_S
+            if await publish_progress(self.dht, self.progress(), final=final, pin=pin) and pin:
+                self._progress_pinned_at = time.monotonic()
         deadline = time.monotonic() + (_FINAL_METRICS_S if final else 0.0)
         delay_s = 0.2
         while True:
@@ -375,7 +381,7 @@ class StageRunner(InPlaceMoves):
                     # handed over: the next plan resumes the data where this run stopped feeding it
                     with contextlib.suppress(Exception):
                         async with asyncio.timeout(_HANDOVER_PROGRESS_S):
-                            await publish_progress(self.dht, self.progress())
+                            await publish_progress(self.dht, self.progress(), pin=True)
                 await service.aclose()
                 if self.replicas is not None:
                     await self.replicas.aclose()

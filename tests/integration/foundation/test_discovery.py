@@ -8,7 +8,9 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 
 from ravnest_p2p.client import RunClient
-from ravnest_p2p.discovery import PEERS_KEY, PeerDirectory, dht_time
+from ravnest_p2p.discovery import OWNERS_KEY, PEERS_KEY, PeerDirectory, dht_time
+from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.jobs import JOB_KEY
 from ravnest_p2p.transport import HostConfig, P2PTransport, load_or_create_identity
 from ravnest_p2p.types import PeerState
 from ravnest_p2p.utils import wait_until
@@ -135,5 +137,23 @@ async def test_a_value_held_only_at_the_initial_peer_is_read_directly_and_the_ne
         assert direct[writer.peer_id][0] == {"done": True}
         assert direct[writer.peer_id][1] == pytest.approx(now + 120)
         assert set(direct) == {writer.peer_id}
+    finally:
+        await client.aclose()
+
+
+async def test_the_job_and_owners_records_are_pinned_at_the_bootstrap(make_swarm):
+    """The owner's records must outlive a restart of every peer (which may be all of the key's replicas):
+    the bootstrap keeps its own copy, replica or not (the job key has 5 replicas among 8 nodes here)."""
+    peers = await make_swarm(8, run_id="jobpin")
+    bootstrap = peers[0]
+    client = await RunClient.connect(bootstrap.maddrs, run_id="jobpin")
+    try:
+        await client.publish_job(JobSpec(job_id="pinned", model="digits_cnn", dataset="digits"))
+        await client.publish_owners([peers[1].peer_id])
+        storage = bootstrap.dht.node.protocol.storage  # its own copy, not a traversal
+        for name in (JOB_KEY, OWNERS_KEY):
+            stored = storage.get(DHTID.generate(source=bootstrap.dht.key(name)))
+            assert stored is not None, name
+            assert len(stored.value) == 1, name
     finally:
         await client.aclose()

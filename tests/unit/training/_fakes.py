@@ -25,6 +25,7 @@ class FakeDHT:
         self.signer = signer
         self.store: dict[str, dict[str, tuple[Any, float]]] = store if store is not None else {}
         self.writes: list[tuple[str, str]] = []
+        self.pins: list[tuple[str, str]] = []  # (signer, name) of the writes also pinned at the initial peers
         self.run_owner: str | None = None
 
     def as_signer(self, signer: str) -> FakeDHT:
@@ -36,6 +37,8 @@ class FakeDHT:
     ) -> bool:
         self.store.setdefault(name, {})[self.signer] = (json.loads(json.dumps(value)), time.time() + ttl_s)
         self.writes.append((self.signer, name))
+        if pin_to_initial_peers:
+            self.pins.append((self.signer, name))
         return True
 
     async def get_signed(
