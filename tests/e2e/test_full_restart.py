@@ -27,7 +27,7 @@ from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.transport import load_or_create_identity
 from tests.e2e.test_elastic import INITIAL_LOSS, PEER_CONFIG, logged_losses, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 # Before the fix (21:33 UTC run): the plan agreed after the restart put peers on layers whose checkpoints
 # were on other peers' disks, and only the own disk was read: resumed at held-out loss 2.2474 (initial 2.30)
@@ -43,6 +43,7 @@ _FROM_STEP = re.compile(r"layers \d+-\d+ from checkpoint step (\d+)")
 # the first stage's optimizer steps (what the progress says) trail the last stage's by up to a window of
 # micro-batches (3 x 2 - 2 = 4 here), and a stage may stop just before a checkpoint is due
 _STEP_SLACK = 8
+_ACCURACY_BAR = 0.9
 
 
 def restart_job() -> JobSpec:
@@ -120,10 +121,17 @@ async def test_every_peer_restarted_resumes_the_job_from_its_checkpoints(tmp_pat
             steps_used = sorted({int(s) for peer in restarted for s in _FROM_STEP.findall(peer.log())})
 
             async def trained_on() -> bool:
+                # 64 micro-batches past the stop, and on until an evaluation reached the accuracy bar: the
+                # job is stopped by time, not by epochs, and on a busy host the first run stops it early
+                # (once at 0.84 after 112 micro-batches)
                 progress = await client.progress(job.job_id)
-                return progress is not None and progress.micro_batches > position_at_stop + 64
+                if progress is None or progress.micro_batches <= position_at_stop + 64:
+                    return False
+                plan = newest_epoch(await client.metrics(job_id=job.job_id))
+                firsts = [m for m in plan if m.stage == 0]
+                return bool(firsts) and all((m.eval_accuracy or 0.0) > _ACCURACY_BAR for m in firsts)
 
-            await wait_for(trained_on, 180, what="training on after the restart")
+            await wait_for(trained_on, 300, what="training on after the restart")
             after = await client.progress(job.job_id)
             await client.stop_job(job.job_id)
             final = await client.wait_for_job(job, timeout_s=180, poll_s=1.0)
@@ -148,7 +156,7 @@ async def test_every_peer_restarted_resumes_the_job_from_its_checkpoints(tmp_pat
     )
     assert firsts
     assert all(m.done for m in firsts), final
-    assert all(m.eval_accuracy is not None and m.eval_accuracy > 0.9 for m in firsts), firsts
+    assert all(m.eval_accuracy is not None and m.eval_accuracy > _ACCURACY_BAR for m in firsts), firsts
     # the same level as at the stop (held-out accuracy moves by a point or two between evaluations)
     assert all(m.eval_accuracy is not None and m.eval_accuracy >= accuracy_at_stop - 0.03 for m in firsts), (
         accuracy_at_stop,

@@ -173,22 +173,33 @@ def parse_announcement(value: Any, signer_peer_id: str) -> CheckpointAnnouncemen
 
 
 class _SignedStore(Protocol):
-    async def store_own(self, name: str, value: Any, *, ttl_s: float) -> bool: ...
+    async def store_own(
+        self, name: str, value: Any, *, ttl_s: float, pin_to_initial_peers: bool = False
+    ) -> bool: ...
 
-    async def get_signed(self, name: str) -> dict[str, tuple[Any, float]]: ...
+    async def get_signed(
+        self, name: str, *, from_initial_peers: bool = False
+    ) -> dict[str, tuple[Any, float]]: ...
 
 
 async def announce_checkpoints(
     dht: _SignedStore, announcement: CheckpointAnnouncement, *, ttl_s: float = 3600.0
 ) -> bool:
-    """Store `announcement` under our own signed subkey of ``checkpoints``; True if a replica took it."""
-    return await dht.store_own(CHECKPOINTS_KEY, announcement.model_dump(mode="json"), ttl_s=ttl_s)
+    """Store `announcement` under our own signed subkey of ``checkpoints``; True if a replica took it.
+
+    Pinned at the initial peers too: after every peer restarted, the key's replicas may all be restarted
+    peers, and stages that read different sets of announcements chose different "newest complete" steps
+    (a full-restart run resumed one stage from step 64 and the next from step 48).
+    """
+    return await dht.store_own(
+        CHECKPOINTS_KEY, announcement.model_dump(mode="json"), ttl_s=ttl_s, pin_to_initial_peers=True
+    )
 
 
 async def read_announcements(dht: _SignedStore, *, job_id: str | None = None) -> list[CheckpointAnnouncement]:
     """Valid announcements (of `job_id`), each signed by the peer it names; malformed ones are dropped."""
     out = []
-    for signer, (value, _) in (await dht.get_signed(CHECKPOINTS_KEY)).items():
+    for signer, (value, _) in (await dht.get_signed(CHECKPOINTS_KEY, from_initial_peers=True)).items():
         try:
             announcement = CheckpointAnnouncement.model_validate(value)
         except Exception as exc:

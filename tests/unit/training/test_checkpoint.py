@@ -132,11 +132,12 @@ class _FakeDHT:
     def __init__(self):
         self.values = {}
 
-    async def store_own(self, name, value, *, ttl_s):
+    async def store_own(self, name, value, *, ttl_s, pin_to_initial_peers=False):
         self.values[(name, "me")] = value
+        self.pinned = pin_to_initial_peers
         return True
 
-    async def get_signed(self, name):
+    async def get_signed(self, name, *, from_initial_peers=False):
         return {peer: (value, 0.0) for (n, peer), value in self.values.items() if n == name}
 
 
@@ -161,6 +162,7 @@ async def test_the_stage_hook_writes_announces_and_serves(tmp_path):
         return value is not None and len(value["checkpoints"]) == 2
 
     await wait_until(announced_both, 10, message="the second announcement")
+    assert dht.pinned  # at the initial peers too: a full restart may leave no replica holding it
     await tasks.aclose()
     [announcement] = await read_announcements(dht, job_id=job.job_id)
     assert [c.step for c in announcement.checkpoints] == [2, 4]
