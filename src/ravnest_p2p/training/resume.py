@@ -120,6 +120,10 @@ class StateSource(Protocol):
         """Let `peer_ids` fetch this peer's checkpoints of the job (before any stage of it runs here)."""
         ...
 
+    async def announce_checkpoints(self, job: JobSpec) -> None:
+        """Announce every checkpoint of `job` this peer's disk holds (before the peer plans it)."""
+        ...
+
 
 def _owner(cluster: Sequence[Any], layer: int) -> str | None:
     for stage in cluster:

@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
@@ -25,13 +24,13 @@ from typing import Any
 from ravnest_p2p.runtime.service import StageService
 from ravnest_p2p.runtime.stage import StageExecutor
 from ravnest_p2p.training.checkpoint import (
-    CheckpointAnnouncement,
     CheckpointConfig,
     CheckpointFileSource,
     CheckpointWriter,
     announce_checkpoints,
     write_checkpoint_file,
 )
+from ravnest_p2p.training.checkpoint_fetch import local_announcement
 from ravnest_p2p.training.handover import (
     ExecutorSource,
     HandoverError,
@@ -176,12 +175,14 @@ class StageStateHook:
         writer.save(live_tensors(self.executor), step=step, meta=meta, progress=progress)
 
     async def _announce(self, writer: CheckpointWriter) -> None:
+        # every layer range this peer's disk holds, not only this stage's: the announcement replaces the
+        # peer's previous one, and the ranges it held on earlier plans must stay findable (a full restart
+        # that lost them resumed one stage from an older step than the next)
         try:
-            manifests = await run_in_compute_thread(writer.saved)
-            if manifests:
-                announcement = CheckpointAnnouncement.of(
-                    manifests, peer_id=self.rpc.peer_id, updated_at=time.time()
-                )
+            announcement = await run_in_compute_thread(
+                local_announcement, writer.config.dir, self.job, self.rpc.peer_id
+            )
+            if announcement is not None:
                 await announce_checkpoints(self.dht, announcement, ttl_s=_ANNOUNCE_TTL_S)
         except Exception as exc:
             logger.info("checkpoint announcement failed: %r", exc)

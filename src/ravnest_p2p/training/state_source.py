@@ -33,6 +33,7 @@ from typing import Any
 from ravnest_p2p.training.checkpoint import (
     CheckpointAnnouncement,
     CheckpointError,
+    announce_checkpoints,
     complete_steps,
     job_digest,
     read_announcements,
@@ -49,6 +50,7 @@ from ravnest_p2p.training.handover import (
     StateChanged,
     fetch_state,
 )
+from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.resume import CheckpointQuery
 from ravnest_p2p.training.stage_hook import CHECKPOINT_DIR_ENV
 from ravnest_p2p.training.stage_state import StageState
@@ -59,6 +61,7 @@ __all__ = ["HandoverStateSource"]
 
 logger = logging.getLogger(__name__)
 
+_ANNOUNCE_TTL_S = 3600.0
 _STEPS_TRIED = 3  # complete steps tried, newest first, before the layers start from the initial weights
 
 
@@ -123,6 +126,17 @@ class HandoverStateSource:
                 logger.debug("state of %s not fetched (attempt %d): %r", peer_id, attempt + 1, exc)
                 await asyncio.sleep(min(0.5 * (attempt + 1), 2.0))  # it is about to see the new plan
         return None
+
+    async def announce_checkpoints(self, job: JobSpec) -> None:
+        """Announce every checkpoint of `job` on this peer's disk (once per job and process, before the
+        peer plans it): a restarted peer's last checkpoint may never have been announced (the announcement
+        is sent after the save, and a SIGTERM can end the run first), and stages that choose the newest
+        complete step from different announcements resume from different steps."""
+        if self.checkpoint_dir is None or self.dht is None:
+            return
+        own = await run_in_compute_thread(local_announcement, self.checkpoint_dir, job, self.rpc.peer_id)
+        if own is not None:
+            await announce_checkpoints(self.dht, own, ttl_s=_ANNOUNCE_TTL_S)
 
     async def share_checkpoints(self, job_id: str, peer_ids: frozenset[str]) -> None:
         if self.checkpoint_dir is None:

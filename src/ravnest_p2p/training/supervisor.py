@@ -153,6 +153,7 @@ class JobSupervisor:
         self._positions: dict[str, dict[tuple[int, int], int]] = {}
         self._workload_job: str | None = None
         self._refused: tuple[str, int] | None = None
+        self._announced: set[str] = set()  # jobs whose checkpoints on disk this process announced
         self._draining = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -179,6 +180,7 @@ class JobSupervisor:
         owner, job = found
         if job.job_id in self.finished:
             return None
+        await self._announce_checkpoints(job)
         progress = await self._read(read_progress(self.dht, job.job_id, owner_peer_id=owner))
         role = await self._role(job, progress)
         if role is None:
@@ -232,6 +234,17 @@ class JobSupervisor:
             await self.state_source.share_checkpoints(job.job_id, members | frozenset(job.state_readers))
         except Exception as exc:
             logger.info("job %s: sharing checkpoints failed: %r", job.job_id, exc)
+
+    async def _announce_checkpoints(self, job: JobSpec) -> None:
+        """Announce this peer's checkpoints of `job` once per process, before it plans the job: after a
+        full restart every stage must choose its step from the same announcements."""
+        if self.state_source is None or job.job_id in self._announced:
+            return
+        self._announced.add(job.job_id)
+        try:
+            await self.state_source.announce_checkpoints(job)
+        except Exception as exc:
+            logger.info("job %s: announcing checkpoints failed: %r", job.job_id, exc)
 
     async def _read(self, coro: Awaitable[Any]) -> Any:
         try:

@@ -152,9 +152,13 @@ class FakeStateSource:
         self.checkpoint_calls: list[tuple[int, int]] = []
         self.checkpoint_queries: list[Any] = []
         self.shared: list[tuple[str, frozenset[str]]] = []
+        self.announced: list[str] = []  # job ids whose disk checkpoints were announced
 
     async def share_checkpoints(self, job_id: str, peer_ids: frozenset[str]) -> None:
         self.shared.append((job_id, peer_ids))
+
+    async def announce_checkpoints(self, job: Any) -> None:
+        self.announced.append(job.job_id)
 
     async def fetch(
         self,

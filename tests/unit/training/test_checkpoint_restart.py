@@ -24,6 +24,7 @@ from ravnest_p2p.training.checkpoint import (
     complete_steps,
     job_digest,
     load_checkpoint,
+    read_announcements,
 )
 from ravnest_p2p.training.handover import CheckpointRef, HandoverRefused, fetch_state
 from ravnest_p2p.training.job import JobSpec, StagePlacement
@@ -167,6 +168,36 @@ async def test_own_disk_counts_every_layer_range_it_ever_wrote(tmp_path, monkeyp
     assert state is not None
     assert_bit_equal(state.tensors, layers(one, 0, 5))
     assert asked == []
+
+
+async def test_a_restarted_peer_announces_every_checkpoint_on_its_disk_so_others_choose_the_same_step(
+    tmp_path,
+):
+    """b's newest save was never announced (a SIGTERM ended its run right after the save), and its value
+    named only its last plan's range: a peer without b's disk saw step 3 incomplete and would resume from
+    an older step than a stage that read b's disk (a full-restart run mixed steps 64 and 48). Once b
+    announces its disk, as a restarted peer does before it plans the job, every reader chooses step 3."""
+    _, two, three = trained(3)
+    swarm = Swarm(tmp_path)
+    await swarm.save("a", three, 0, 2, 3)
+    await swarm.save("b", two, 2, 5, 2)
+    CheckpointWriter(
+        CheckpointConfig(every_steps=1, keep_last=5, dir=tmp_path / "b"),
+        placed(JOB, "b"),
+        first_layer=2,
+        end_layer=5,
+    ).save(three.subset(names_in_layers(three.tensors, 2, 5)), step=3)
+    query = CheckpointQuery(job=JOB, num_layers=5, members=MEMBERS)
+    before = await swarm.source("new").from_checkpoint(query, first_layer=2, end_layer=5)
+    assert before is not None
+    assert_bit_equal(before.tensors, layers(two, 2, 5))  # the older step: all it could see
+
+    await swarm.source("b").announce_checkpoints(JOB)
+    [announced] = [a for a in await read_announcements(swarm.dht, job_id=JOB.job_id) if a.peer_id == "b"]
+    assert sorted(c.step for c in announced.checkpoints) == [2, 3]
+    after = await swarm.restore("new", 2, 5)
+    assert after is not None
+    assert_bit_equal(after.tensors, layers(three, 2, 5))
 
 
 async def test_strangers_and_other_jobs_are_not_counted(tmp_path):
