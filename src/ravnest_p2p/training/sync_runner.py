@@ -91,7 +91,7 @@ class SyncBackupRunner:
             )
         self.model = nn.Sequential(*layers)
         self.params = dict(self.model.named_parameters())
-        num_shards = job.sync_backup.num_shards or len(self.workers)
+        num_shards = job.sync_backup.num_shards or len(job.sync_backup.owners or self.workers)
         self.pieces = piece_views(self.params, num_shards)  # shard entries: tensors or row ranges
         sizes = {name: p.numel() * p.element_size() for name, p in self.pieces.items()}
         self.layout = SyncLayout.build(job.job_id, self.workers, sizes, num_shards, job.sync_backup.owners)
