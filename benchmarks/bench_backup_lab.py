@@ -22,7 +22,6 @@ and reported. Needs root. ``python -m benchmarks.bench_backup_lab [--quick] [--c
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -34,17 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import RESULTS_DIR, record
-from benchmarks.labrun import start_lab_peers
+from benchmarks.labrun import run_driver, start_lab_peers
 from ravnest_p2p.lab import NetnsLab, parse_profile
 from ravnest_p2p.lab.peer_presets import FAST_MEMBERSHIP_PEER_CONFIG
-from ravnest_p2p.lab.throttle import ComputeThrottle, base_cpus_to_fit, thread_env
+from ravnest_p2p.lab.throttle import ComputeThrottle, base_cpus_to_fit
 from ravnest_p2p.runtime.optim import OptimizerConfig
-from ravnest_p2p.swarm import poll_until
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.modes import SyncBackupConfig
 from ravnest_p2p.transport import load_or_create_identity
 
-REPO = Path(__file__).resolve().parents[1]
 PORT = 31377
 NUM_PEERS = 5
 NUM_REQUIRED = 4
@@ -81,7 +78,6 @@ def run_lab(
     straggler_owns: str,
     prefix: str,
     cpu_period_us: int | None = None,
-    balanced: str = "no",
     run_id: str = "bkl",
 ) -> dict[str, Any]:
     """Start the lab and the peers, drive `runs`, return the driver's results, timings and load."""
@@ -120,17 +116,8 @@ def run_lab(
                 ids[-1].peer_id,
             ]
             argv += ["--job", bench_job(steps).model_dump_json(), "--runs", *runs, "--out", str(out)]
-            argv += ["--straggler-owns", straggler_owns, "--balanced", balanced]
-            driver = lab.run_in_ns(
-                NUM_PEERS, argv, env=thread_env(1), log_path=workdir / "driver.log", cwd=REPO
-            )
-            deadline = time.monotonic() + 3600
-            while driver.poll() is None and time.monotonic() < deadline:
-                loadavg.append(os.getloadavg()[0])
-                with contextlib.suppress(TimeoutError):  # a load sample every 10 s until the driver ends
-                    poll_until(lambda: driver.poll() is not None, 10, what="the driver", interval_s=1)
-            if driver.returncode != 0:
-                raise RuntimeError((workdir / "driver.log").read_text()[-3000:])
+            argv += ["--straggler-owns", straggler_owns]
+            loadavg = run_driver(lab, NUM_PEERS, argv, workdir=workdir)
         finally:
             for throttle in throttles:
                 throttle.close()
@@ -259,7 +246,6 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
     parser.add_argument("--prefix", default="rvbk", help="lab namespace prefix (random hex up to 8 chars)")
     parser.add_argument("--run-id", default="bkl")
     parser.add_argument("--cpu-period-ms", type=float, default=100.0, help="the cgroups' CFS period")
-    parser.add_argument("--balanced", choices=("yes", "no"), default="no", help="one shard per owner")
     args = parser.parse_args(argv if argv is not None else [])
     if os.geteuid() != 0:
         print("bench_backup_lab needs root (network namespaces); skipped", flush=True)
@@ -275,7 +261,6 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
             prefix=args.prefix + os.urandom(4).hex()[: max(0, 8 - len(args.prefix))],
             run_id=args.run_id,
             cpu_period_us=round(args.cpu_period_ms * 1000),
-            balanced=args.balanced,
         )
     rows = summarise(lab)
     for row in rows:
@@ -298,7 +283,7 @@ def main(quick: bool = False, argv: list[str] | None = None) -> None:
             f"statistic); nth_of_means_s: the {NUM_REQUIRED}-th of the per-worker means. Goals: b1",
             "step_over_nth <= 1.1, step_reduction_vs_b0 >= 0.30, |accuracy_minus_b0_points| <= 0.5",
             "(held-out set of 360: one sample is 0.28 point). The straggler owns a shard:",
-            f"{args.straggler_owns}. One shard per owner (balanced layout): {args.balanced}.",
+            f"{args.straggler_owns}. One shard per owner candidate, dealt by the library's layout.",
         ]
     )
     record(args.name, rows, notes=notes)
