@@ -9,11 +9,9 @@ lab order; the straggler is one of them. Each run is one job on the same peers:
 - ``async``: the apply-on-arrival baseline on all 5 workers (as many gradients applied as ``b1``).
 
 With ``--straggler-owns no`` (the default) the jobs name the fast workers as the only owner candidates
-(``sync_backup.owners``: an owner on a slow peer slows every step); with ``yes`` every worker may own, and
-the job id gets a suffix whose layout gives the straggler a shard. With ``--balanced yes`` (and the
-straggler kept off ownership) a job has one shard per owner candidate and an id whose layout gives
-each candidate exactly one (the owner hash alone gives some owner two shards for most ids, and that
-owner's link then carries twice its share every step). Writes one JSON file.
+(``sync_backup.owners``: an owner on a slow peer slows every step); with ``yes`` every worker may own.
+The library deals one shard to each owner candidate (`strategies.sync_layout`), so with ``yes`` the
+straggler owns one. Writes one JSON file.
 """
 
 from __future__ import annotations
@@ -22,37 +20,18 @@ import argparse
 import asyncio
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torch import nn
-
 from ravnest_p2p.client import RunClient
 from ravnest_p2p.models import build_model
-from ravnest_p2p.strategies.sync_layout import SyncLayout
 from ravnest_p2p.training.job import JobSpec, StagePlacement
-from ravnest_p2p.training.sync_compute import piece_views
 
 
 def run_workers(run: str, workers: list[str], straggler: str) -> list[str]:
     if run == "b0":
         return [*[w for w in workers if w != straggler][:3], straggler]
     return list(workers)
-
-
-def pick_job_id(base: JobSpec, job_id: str, workers: list[str], wanted: Callable[[SyncLayout], bool]) -> str:
-    """`job_id` plus the first suffix whose layout is `wanted`."""
-    model = nn.Sequential(*build_model(base.model, base.model_params, seed=base.seed))
-    sync = base.sync_backup
-    num_shards = sync.num_shards or len(workers)
-    pieces = piece_views(dict(model.named_parameters()), num_shards)  # as the runner cuts them
-    sizes = {name: p.numel() * p.element_size() for name, p in pieces.items()}
-    for suffix in range(10_000):
-        candidate = f"{job_id}-{suffix}"
-        if wanted(SyncLayout.build(candidate, workers, sizes, num_shards, sync.owners)):
-            return candidate
-    raise RuntimeError("no job id gives the wanted layout")
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -72,19 +51,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "owners": fast if args.straggler_owns == "no" else None,
                 }
             )
-            if args.balanced == "yes" and fast:  # one shard per owner candidate, each owning one
-                sync = sync.model_copy(update={"num_shards": len(sync.owners or workers)})
             job_id = f"{base.job_id}-{name}-{index}"
-            spec = base.model_copy(update={"sync_backup": sync})
-            if args.straggler_owns == "yes":
-                job_id = pick_job_id(
-                    spec, job_id, workers, lambda layout: bool(layout.shards_of(args.straggler))
-                )
-            elif args.balanced == "yes":
-                owners = sorted(sync.owners or workers)
-                job_id = pick_job_id(
-                    spec, job_id, workers, lambda layout, owners=owners: sorted(layout.owners()) == owners
-                )
             job = base.model_copy(
                 update={
                     "job_id": job_id,
@@ -120,7 +87,6 @@ def main() -> None:
     parser.add_argument("--job", required=True, help="JobSpec JSON (mode sync_backup, without assignment)")
     parser.add_argument("--runs", nargs="+", required=True, choices=("b1", "b0", "async"))
     parser.add_argument("--straggler-owns", choices=("yes", "no"), default="no")
-    parser.add_argument("--balanced", choices=("yes", "no"), default="no", help="one shard per owner")
     parser.add_argument("--timeout-s", type=float, default=900)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -28,7 +28,6 @@ Needs root. ``python -m benchmarks.bench_ist_lab [--epochs 4] [--cells 2x100 4x1
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -42,17 +41,15 @@ from typing import Any
 from benchmarks.harness import RESULTS_DIR
 from benchmarks.ist_lab_replay import cached_replays
 from benchmarks.ist_lab_report import write_report
-from benchmarks.labrun import start_lab_peers
+from benchmarks.labrun import run_driver, start_lab_peers
 from ravnest_p2p.lab import NetnsLab, parse_profile
 from ravnest_p2p.lab.peer_presets import FAST_MEMBERSHIP_PEER_CONFIG
-from ravnest_p2p.lab.throttle import ComputeThrottle, thread_env
+from ravnest_p2p.lab.throttle import ComputeThrottle
 from ravnest_p2p.runtime.optim import OptimizerConfig
-from ravnest_p2p.swarm import poll_until
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.modes import IstConfig
 from ravnest_p2p.transport import load_or_create_identity
 
-REPO = Path(__file__).resolve().parents[1]
 PORT = 31391
 RUN_ID = "ist-modes2"
 LOCAL_STEPS = 5
@@ -109,14 +106,7 @@ def run_cell(
             argv = [sys.executable, "-m", "benchmarks.ist_lab_driver", "--initial-peers", *maddrs]
             argv += ["--run-id", RUN_ID, "--workers", *[i.peer_id for i in ids], "--ifaces", *ifaces]
             argv += ["--job", job.model_dump_json(), "--runs", *runs, "--out", str(out)]
-            driver = lab.run_in_ns(n, argv, env=thread_env(1), log_path=workdir / "driver.log", cwd=REPO)
-            deadline = time.monotonic() + 3600
-            while driver.poll() is None and time.monotonic() < deadline:
-                loadavg.append(os.getloadavg()[0])
-                with contextlib.suppress(TimeoutError):  # a load sample every 10 s until the driver ends
-                    poll_until(lambda: driver.poll() is not None, 10, what="the driver", interval_s=1)
-            if driver.returncode != 0:
-                raise RuntimeError((workdir / "driver.log").read_text()[-3000:])
+            loadavg = run_driver(lab, n, argv, workdir=workdir)
         finally:
             for throttle in throttles:
                 throttle.close()

@@ -8,7 +8,7 @@ the same n workers (the job's `assignment`: one single-stage cluster per worker)
 - ``dp``: mode sync_backup, N = n, b = 0 (synchronous data-parallel SGD, one exchange per step);
 - ``local``: mode sync_backup, N = n, b = 0, `local_steps` = K (model averaging every K steps).
 
-The sync_backup jobs get an id whose owner layout is balanced (`balanced_job_id`).
+The library deals the sync_backup jobs' shards one per worker (`strategies.sync_layout`).
 
 Around each job the driver reads the byte counters of every worker's lab interface (``ip -n NS -s -j
 link show dev DEV``: everything the worker's namespace sent and received, TCP/IP and libp2p framing
@@ -25,15 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torch import nn
-
 from ravnest_p2p.client import RunClient
 from ravnest_p2p.models import build_model
-from ravnest_p2p.strategies.sync_layout import SyncLayout
 from ravnest_p2p.training.job import JobSpec, StagePlacement
 from ravnest_p2p.training.metrics import StageMetrics
 from ravnest_p2p.training.modes import IstConfig, SyncBackupConfig
-from ravnest_p2p.training.sync_compute import piece_views
 
 
 def counters(ifaces: list[str]) -> list[dict[str, int]]:
@@ -51,24 +47,6 @@ def counters(ifaces: list[str]) -> list[dict[str, int]]:
         stats = json.loads(shown.stdout)[0]["stats64"]
         out.append({"rx_bytes": int(stats["rx"]["bytes"]), "tx_bytes": int(stats["tx"]["bytes"])})
     return out
-
-
-def balanced_job_id(job: JobSpec, workers: list[str]) -> str:
-    """The job's id plus the first suffix whose shard layout gives every worker one shard.
-
-    The owners come from a hash of (job id, shard) (`SyncLayout`): for some ids one worker owns two
-    shards and its link carries twice its share every step (at n = 2, half of all ids put the whole
-    model through one peer). Data parallel must not lose to IST by that luck, so the job id is picked.
-    """
-    model = nn.Sequential(*build_model(job.model, job.model_params, seed=job.seed))
-    pieces = piece_views(dict(model.named_parameters()), len(workers))  # as the runner cuts them
-    sizes = {name: p.numel() * p.element_size() for name, p in pieces.items()}
-    for suffix in range(10_000):
-        candidate = f"{job.job_id}-{suffix}"
-        layout = SyncLayout.build(candidate, workers, sizes, len(workers))
-        if sorted(layout.owners()) == sorted(workers):
-            return candidate
-    raise RuntimeError("no job id gives every worker one shard")
 
 
 def job_for(run: str, base: JobSpec, workers: list[str], index: int) -> JobSpec:
@@ -89,7 +67,6 @@ def job_for(run: str, base: JobSpec, workers: list[str], index: int) -> JobSpec:
             owner_ping_timeout_s=60,
         )
         update |= {"mode": "sync_backup", "sync_backup": sync, "ist": IstConfig()}
-        update["job_id"] = balanced_job_id(base.model_copy(update=update), workers)
     return base.model_copy(update=update)
 
 

@@ -14,7 +14,9 @@ after an exception. Needs root. Shared with the averaging benchmarks (our ring v
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import secrets
 import shutil
 import subprocess
@@ -31,7 +33,9 @@ from ravnest_p2p.lab.throttle import ComputeThrottle, thread_env
 from ravnest_p2p.swarm import poll_until
 from ravnest_p2p.transport import Identity
 
-__all__ = ["LabRun", "start_lab_peers"]
+__all__ = ["LabRun", "run_driver", "start_lab_peers"]
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class LabRun:
@@ -162,3 +166,28 @@ def start_lab_peers(
             joined = lambda path=log: "join with" in path.read_text(errors="replace")  # noqa: E731
             poll_until(joined, ready_timeout_s, what="peer 0")
     return maddrs
+
+
+def run_driver(
+    lab: NetnsLab, index: int, argv: Sequence[str], *, workdir: Path, timeout_s: float = 3600
+) -> list[float]:
+    """Run a benchmark's driver in lab namespace `index` to its end; the host's load sampled meanwhile.
+
+    The driver runs from the repository root with one compute thread, its output in
+    ``workdir/driver.log``. The 1-minute load average is sampled every 10 s until the driver exits (at
+    most `timeout_s`); the samples are returned.
+
+    Raises:
+        RuntimeError: the driver failed or is still running at `timeout_s` (with the log's tail).
+    """
+    log = workdir / "driver.log"
+    driver = lab.run_in_ns(index, list(argv), env=thread_env(1), log_path=log, cwd=REPO)
+    loadavg: list[float] = []
+    deadline = time.monotonic() + timeout_s
+    while driver.poll() is None and time.monotonic() < deadline:
+        loadavg.append(os.getloadavg()[0])
+        with contextlib.suppress(TimeoutError):  # a load sample every 10 s until the driver ends
+            poll_until(lambda: driver.poll() is not None, 10, what="the driver", interval_s=1)
+    if driver.returncode != 0:
+        raise RuntimeError(log.read_text(errors="replace")[-3000:])
+    return loadavg

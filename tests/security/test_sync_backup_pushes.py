@@ -20,7 +20,7 @@ import torch
 from ravnest_p2p.errors import InvalidMessage, RemoteError, TransportError
 from ravnest_p2p.training.sync_owners import _MISBEHAVIOUR_THRESHOLD
 from ravnest_p2p.training.sync_runner import SyncBackupRunner
-from ravnest_p2p.training.sync_wire import SYNC_PUSH, ReplyKind, SyncPush, SyncReply
+from ravnest_p2p.training.sync_wire import SYNC_PUSH, ReplyKind, ReplyPart, SyncPush, SyncReply
 from ravnest_p2p.transport.rpc import CallContext, RpcEndpoint
 from tests.unit.training.test_sync_backup import _runners
 
@@ -42,8 +42,15 @@ def _same(a: list[Any], b: list[Any]) -> bool:
     )
 
 
+def _push(**fields: Any) -> SyncPush:
+    """A one-part push: the part's fields (shard, step, has_grads, names) and the message's."""
+    part = {k: v for k, v in fields.items() if k in ("shard", "step", "has_grads", "names")}
+    rest = {k: v for k, v in fields.items() if k not in part}
+    return SyncPush.model_validate({"wait_s": 0, **rest, "parts": [part]})
+
+
 async def _send(rpc: RpcEndpoint, owner: str, tensors: list[torch.Tensor], **fields: Any) -> str:
-    request = SyncPush.model_validate({"wait_s": 0, **fields})
+    request = _push(**fields)
     try:
         await rpc.call(owner, SYNC_PUSH, request, tensors=tensors, timeout_s=10)
     except RemoteError as exc:
@@ -118,7 +125,7 @@ async def test_malformed_pushes_are_refused_counted_and_exclude_the_sender(hosti
         assert hostile.state_changes == 0
         # a well-formed push from our own worker is still counted
         await service.handle_push(
-            SyncPush.model_validate({**base, "wait_s": 0}),
+            _push(**base),
             good,
             CallContext(remote_peer_id=service.peer_id, method="sync_push"),
         )
@@ -167,9 +174,9 @@ def test_a_workers_check_refuses_a_malformed_reply_and_keeps_its_parameters(host
         good[:-1],
     ]
     for tensors in bad_replies:
-        reply = SyncReply(kind=ReplyKind.APPLIED, step=1, names=names[: len(tensors)])
+        part = ReplyPart(shard=0, kind=ReplyKind.APPLIED, step=1, names=names[: len(tensors)])
         with pytest.raises(InvalidMessage):
-            worker._install(0, reply, tensors)
+            worker._install(SyncReply(parts=(part,)), tensors, [0])
         hostile.sent += 1
         hostile.refused += 1
     assert all(torch.equal(worker.params[n], before[n]) for n in names)

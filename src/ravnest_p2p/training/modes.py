@@ -43,8 +43,8 @@ class SyncBackupConfig(_Config):
     Attributes:
         num_required: N, gradients averaged per step (the first N of the step to arrive).
         num_backup: b, extra workers whose late gradients are dropped; the job has N + b workers.
-        num_shards: parameter shards, each owned by one worker (None: one per worker, at most one per
-            parameter tensor).
+        num_shards: parameter shards of similar bytes, dealt to the owners largest first (None: one per
+            owner candidate, so each owns one; at most one per parameter piece).
         aggregation: ``sync`` (the method) or ``async`` (the apply-on-arrival baseline: every gradient is
             applied when it arrives, however stale; a worker fetches the newest parameters after each).
         step_timeout_s: a step that does not complete within this fails the job with the owner's count

@@ -1,10 +1,14 @@
 """The owner side of synchronous SGD with backup workers on a peer: the `sync_push` / `sync_ping` handlers.
 
 Every worker of a sync_backup job also owns the shards the layout gives it (`strategies.sync_layout`).
-`OwnerService` serves them: it refuses a push unless the sender is a live worker of the job, the shard is
-ours under the dead set we know, and the tensors are exactly the shard's (names, shapes, dtypes,
-finite); it counts the gradient (`ShardOwner`) and holds the reply until the step completes (at most the
-request's `wait_s`), then answers with the shard's parameters.
+`OwnerService` serves them: a push carries one part per shard the sender believes we own. It is refused
+whole unless the sender is a live worker of the job, every part's shard is ours under the dead set we
+know (each at most once), and every part's tensors are exactly its shard's (names, shapes, dtypes,
+finite): all parts are checked before any is counted. It then counts each part's gradient
+(`ShardOwner`) and holds the reply until every part's step completes (at most the request's `wait_s`),
+then answers with each shard's parameters (a part still open when `wait_s` runs out: pending, no
+tensors). A part one step ahead still refuses the message, after the parts before it were counted
+(those are well-formed gradients of the current step).
 
 Refusals cost the sender, as in the pipeline (`transport.ledger.PeerLedger`, the pipeline's default
 threshold): a malformed push (a stranger, another job, a wrong tensor, a non-finite value, a step ahead)
@@ -40,12 +44,15 @@ from ravnest_p2p.training.sync_shard import ShardOwner
 from ravnest_p2p.training.sync_wire import (
     SYNC_PING,
     SYNC_PUSH,
+    PushPart,
     ReplyKind,
+    ReplyPart,
     SyncPing,
     SyncPong,
     SyncPush,
     SyncReply,
     check_tensors,
+    split_parts,
 )
 from ravnest_p2p.transport.ledger import PeerLedger
 from ravnest_p2p.transport.rpc import CallContext, RpcEndpoint
@@ -224,60 +231,91 @@ class OwnerService:
             raise _NotCounted(f"this peer left the job: {self.evicted}")
         if sender in self.dead:
             raise _NotCounted("the sender was declared dead")
-        if request.shard >= len(self.layout.shards):
-            raise InvalidMessage(f"no shard {request.shard}")
+        shards = [part.shard for part in request.parts]
+        if len(set(shards)) != len(shards):
+            raise InvalidMessage("a shard appears twice in one push")
+        if any(shard >= len(self.layout.shards) for shard in shards):
+            raise InvalidMessage(f"no shard {max(shards)}")
+        tensors_of = split_parts([len(p.names) for p in request.parts], tensors, what="push")
         await self.learn_dead(request.dead)
-        if self.owners()[request.shard] != self.peer_id:
-            raise _NotCounted(f"not the owner of shard {request.shard} (dead set {sorted(self.dead)[:4]})")
-        owner = self._owner_of(request.shard, request.step)
-        target = request.step
-        if request.has_grads:
-            grads = check_tensors(
-                request.names, tensors, owner.specs, what=f"gradient of shard {request.shard}"
-            )
-            try:
-                result = owner.submit(sender, request.step, grads)
-                if (
-                    result.verdict == Verdict.FUTURE  # well-formed (submit checked it), one step ahead
-                    and request.shard in self.taken_over
-                    and request.step == owner.step + 1
-                    and owner.fast_forward(request.step)
-                ):
-                    # the dead owner applied one more step and answered this worker: go on from there
-                    # (that step's update is lost for this shard) rather than refuse every worker that
-                    # saw it
-                    logger.info(
-                        "job %s: shard %d fast-forwarded to step %d",
-                        self.job.job_id,
-                        request.shard,
-                        request.step,
-                    )
-                    result = owner.submit(sender, request.step, grads)
-            except GradientRejected as exc:
-                raise InvalidMessage(str(exc)) from None
-            if result.verdict == Verdict.FUTURE:
-                raise InvalidMessage(
-                    f"step {request.step} is ahead of shard {request.shard} (at {owner.step})"
+        owners = self.owners()
+        foreign = [shard for shard in shards if owners[shard] != self.peer_id]
+        if foreign:
+            raise _NotCounted(f"not the owner of shard {foreign[0]} (dead set {sorted(self.dead)[:4]})")
+        checked: list[dict[str, torch.Tensor] | None] = []
+        for part, part_tensors in zip(request.parts, tensors_of, strict=True):
+            owner = self._owner_of(part.shard, part.step)
+            if part.has_grads:
+                what = f"gradient of shard {part.shard}"
+                checked.append(check_tensors(part.names, part_tensors, owner.specs, what=what))
+            elif part_tensors or part.names:
+                raise InvalidMessage("a fetch carries no tensors")
+            else:
+                checked.append(None)
+        targets: dict[int, int | None] = {}  # shard -> the step to wait for (None: late, answer now)
+        for part, grads in zip(request.parts, checked, strict=True):
+            targets[part.shard] = part.step if grads is None else self._submit(part, grads, sender)
+        waits = [
+            self.owned[shard].wait_for(target, request.wait_s)
+            for shard, target in targets.items()
+            if target is not None
+        ]
+        await asyncio.gather(*waits)
+        out_parts: list[ReplyPart] = []
+        out_tensors: list[torch.Tensor] = []
+        for shard, target in targets.items():
+            owner = self.owned[shard]
+            if target is not None and owner.step < target and not owner.final:
+                out_parts.append(
+                    ReplyPart(shard=shard, kind=ReplyKind.PENDING, step=owner.step, pending=owner.num_pending)
                 )
-            if result.verdict == Verdict.LATE:
-                return self._reply(owner, ReplyKind.LATE, sender, request.shard)
-            target = request.step + 1
-        elif tensors:
-            raise InvalidMessage("a fetch carries no tensors")
-        if not await owner.wait_for(target, request.wait_s):
-            return SyncReply(kind=ReplyKind.PENDING, step=owner.step, pending=owner.num_pending), []
-        return self._reply(owner, ReplyKind.APPLIED, sender, request.shard)
+                continue
+            kind = ReplyKind.LATE if target is None else ReplyKind.APPLIED
+            answer, params = self._reply(owner, kind, sender, shard)
+            out_parts.append(answer)
+            out_tensors += params
+        return SyncReply(parts=tuple(out_parts)), out_tensors
+
+    def _submit(self, part: PushPart, grads: dict[str, torch.Tensor], sender: str) -> int | None:
+        """Count one part's gradient; the step its reply waits for (None: late, answered at once).
+
+        Raises:
+            InvalidMessage: refused (a step ahead of the shard, or rejected by the aggregator).
+        """
+        owner = self.owned[part.shard]
+        try:
+            result = owner.submit(sender, part.step, grads)
+            if (
+                result.verdict == Verdict.FUTURE  # well-formed (submit checked it), one step ahead
+                and part.shard in self.taken_over
+                and part.step == owner.step + 1
+                and owner.fast_forward(part.step)
+            ):
+                # the dead owner applied one more step and answered this worker: go on from there
+                # (that step's update is lost for this shard) rather than refuse every worker that
+                # saw it
+                logger.info(
+                    "job %s: shard %d fast-forwarded to step %d", self.job.job_id, part.shard, part.step
+                )
+                result = owner.submit(sender, part.step, grads)
+        except GradientRejected as exc:
+            raise InvalidMessage(str(exc)) from None
+        if result.verdict == Verdict.FUTURE:
+            raise InvalidMessage(f"step {part.step} is ahead of shard {part.shard} (at {owner.step})")
+        if result.verdict == Verdict.LATE:
+            return None
+        return part.step + 1
 
     def _reply(
         self, owner: ShardOwner, kind: ReplyKind, sender: str, shard: int
-    ) -> tuple[SyncReply, list[torch.Tensor]]:
+    ) -> tuple[ReplyPart, list[torch.Tensor]]:
         step, params = owner.snapshot()
         if owner.final:
             self.final_sent.setdefault(shard, set()).add(sender)
             if self.all_final_sent():
                 self.all_final.set()
-        message = SyncReply(kind=kind, step=step, names=tuple(params), final=owner.final)
-        return message, list(params.values())
+        part = ReplyPart(shard=shard, kind=kind, step=step, names=tuple(params), final=owner.final)
+        return part, list(params.values())
 
     def missing_final(self) -> list[str]:
         """Live workers that have not fetched the final parameters of some shard we own."""

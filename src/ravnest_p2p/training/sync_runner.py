@@ -1,10 +1,11 @@
 """`SyncBackupRunner`: this peer's part of a sync_backup job — a worker that also owns shards.
 
 The worker loop, step t: compute the gradient of the whole model on its batch of step t
-(`SyncBatches`), send each shard's slice to the shard's owner (`sync_push`, tagged t; shards owned here
-go straight to the local `OwnerService`), and wait for the replies: each brings the shard at step t + 1
-(the owner averaged the first N gradients), or, when this worker was one of the b too late, the shard
-at a newer step (its gradient was dropped). A worker whose shards came back at different steps fetches
+(`SyncBatches`), send each owner one message with the slices of every shard it owns (`sync_push`,
+tagged t; shards owned here go straight to the local `OwnerService`; `training.sync_exchange`), and
+wait for the replies: each brings the shard at step t + 1 (the owner averaged the first N
+gradients), or, when this worker was one of the b too late, the shard at a newer step (its gradient
+was dropped). A worker whose shards came back at different steps fetches
 the lagging ones at the newest step, so every step's gradient is computed on one θ_t. The job ends when
 every shard reached the job's last step; every worker then evaluates the model on the held-out split and
 publishes done metrics (mode ``sync_backup``, cluster = worker index, stage 0).
@@ -21,14 +22,13 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from ravnest_p2p.discovery import RunDHT, dht_time
-from ravnest_p2p.errors import InvalidMessage, RavnestError, RemoteError, TransportError
+from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.models import build_model, get_model_spec, make_loss, parse_config
 from ravnest_p2p.strategies.sync_layout import SyncLayout
 from ravnest_p2p.training.job import JobSpec
@@ -38,24 +38,24 @@ from ravnest_p2p.training.resume import HeldState
 from ravnest_p2p.training.role import StageRole
 from ravnest_p2p.training.stages import load_dataset
 from ravnest_p2p.training.sync_compute import piece_views, step_push
+from ravnest_p2p.training.sync_exchange import SyncExchange
 from ravnest_p2p.training.sync_owners import OwnerService
 from ravnest_p2p.training.sync_report import evaluate, store_metrics, timing_record
 from ravnest_p2p.training.sync_shard import SyncBatches, sync_final_step
-from ravnest_p2p.training.sync_wire import SYNC_PUSH, ReplyKind, SyncPush, SyncReply, check_tensors
-from ravnest_p2p.transport.rpc import CallContext, Reply, RpcEndpoint
+from ravnest_p2p.training.sync_wire import ReplyKind
+from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import TaskOwner, run_in_compute_thread
 
 __all__ = ["SyncBackupRunner"]
 
 logger = logging.getLogger(__name__)
 
-_WAIT_S = 15.0  # one push's reply is held at most this long; the step deadline bounds the retries
 _LINGER_S = 30.0  # an owner serves its final shard until every live worker has it, at most this long
 _LINGER_CHECK_S = 3.0  # while lingering, the workers still missing a final shard are pinged this often
 _FINAL_METRICS_S = 30.0
 
 
-class SyncBackupRunner:
+class SyncBackupRunner(SyncExchange):
     """Runs one peer's worker + owner part of a sync_backup job (see module docstring).
 
     Args:
@@ -91,7 +91,7 @@ class SyncBackupRunner:
             )
         self.model = nn.Sequential(*layers)
         self.params = dict(self.model.named_parameters())
-        num_shards = job.sync_backup.num_shards or len(self.workers)
+        num_shards = job.sync_backup.num_shards or len(job.sync_backup.owners or self.workers)
         self.pieces = piece_views(self.params, num_shards)  # shard entries: tensors or row ranges
         sizes = {name: p.numel() * p.element_size() for name, p in self.pieces.items()}
         self.layout = SyncLayout.build(job.job_id, self.workers, sizes, num_shards, job.sync_backup.owners)
@@ -216,107 +216,14 @@ class SyncBackupRunner:
             self.gradient_times_s.append(time.monotonic() - began)
             self.compute_s += self.gradient_times_s[-1]
             self.loss = loss
-            replies = await asyncio.gather(
-                *(self._exchange(shard, step, grads) for shard in range(len(self.layout.shards)))
-            )
+            replies = await self._exchange(list(range(len(self.layout.shards))), step, grads)
             self.late += sum(1 for reply in replies if reply.kind == ReplyKind.LATE)
             while len(set(self.versions)) > 1:  # a late worker's shards came back at different steps
                 newest = max(self.versions)
-                await asyncio.gather(
-                    *(
-                        self._exchange(shard, newest, None)
-                        for shard, version in enumerate(self.versions)
-                        if version < newest
-                    )
-                )
+                lagging = [shard for shard, version in enumerate(self.versions) if version < newest]
+                await self._exchange(lagging, newest, None)
             self.step = self.versions[0]
             self.step_times_s.append(time.monotonic() - began)
-
-    # ----- one shard's exchange ---------------------------------------------------------------------
-    async def _exchange(self, shard: int, step: int, grads: dict[str, Tensor] | None) -> SyncReply:
-        """Push this shard's gradient of `step` (or fetch it at `step`) until its owner answers."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.job.sync_backup.step_timeout_s
-        names = self.layout.shards[shard]
-        counted_by: str | None = None  # the owner that has our gradient: from then on, fetch
-        while True:
-            owner = self.owners.owners()[shard]
-            pushing = grads is not None and counted_by != owner
-            request = SyncPush(
-                job_id=self.job.job_id,
-                shard=shard,
-                step=step + 1 if grads is not None and not pushing else step,
-                has_grads=pushing,
-                names=names if pushing else (),
-                dead=tuple(sorted(self.owners.dead)),
-                wait_s=min(_WAIT_S, max(0.0, deadline - loop.time())),
-            )
-            tensors = [grads[name] for name in names] if pushing and grads is not None else []
-            try:
-                reply = await self._call(owner, request, tensors)
-            except RemoteError as exc:
-                if not await self._owner_moved(owner, shard):
-                    raise RavnestError(f"shard {shard}: owner {owner} refused step {step}: {exc}") from None
-                continue
-            except TransportError as exc:
-                logger.info("job %s: shard %d owner %s: %r", self.job.job_id, shard, owner, exc)
-                await self.owners.confirm_dead(owner)
-                self._check_deadline(deadline, shard, step, owner, None)
-                continue
-            if pushing:
-                counted_by = owner
-            if reply.message.kind == ReplyKind.PENDING:
-                self._check_deadline(deadline, shard, step, owner, reply.message.pending)
-                continue
-            self._install(shard, reply.message, reply.tensors)
-            return reply.message
-
-    def _check_deadline(
-        self, deadline: float, shard: int, step: int, owner: str, pending: int | None
-    ) -> None:
-        if asyncio.get_running_loop().time() < deadline:
-            return
-        count = (
-            f"has {pending} of {self.owners.num_required} gradients" if pending is not None else "is silent"
-        )
-        live = len(self.layout.live(self.owners.dead))
-        raise RavnestError(
-            f"step {step}: shard {shard}'s owner {owner} {count} after "
-            f"{self.job.sync_backup.step_timeout_s:.0f}s ({live} workers believed alive)"
-        )
-
-    async def _owner_moved(self, owner: str, shard: int) -> bool:
-        """After a refusal: learn the owner's dead set; whether the shard now has another owner."""
-        pong = await self.owners.ping(owner)
-        if pong is None or not pong.in_job:
-            await self.owners.confirm_dead(owner)
-        else:
-            await self.owners.learn_dead([p for p in pong.dead if p != self.rpc.peer_id])
-        return self.owners.owners()[shard] != owner
-
-    async def _call(self, owner: str, request: SyncPush, tensors: Sequence[Tensor]) -> Reply[SyncReply]:
-        if owner == self.rpc.peer_id:  # our own shard: no wire, the same checks
-            try:
-                message, out = await self.owners.handle_push(
-                    request, list(tensors), CallContext(remote_peer_id=owner, method=SYNC_PUSH.name)
-                )
-            except InvalidMessage as exc:
-                raise RemoteError(exc.code, str(exc)) from None
-            return Reply(message=message, tensors=list(out))
-        return await self.rpc.call(
-            owner, SYNC_PUSH, request, tensors=tensors, timeout_s=request.wait_s + 30.0
-        )
-
-    def _install(self, shard: int, reply: SyncReply, tensors: list[Tensor]) -> None:
-        expected = {
-            name: (tuple(self.pieces[name].shape), self.pieces[name].dtype)
-            for name in self.layout.shards[shard]
-        }
-        values = check_tensors(reply.names, tensors, expected, what=f"parameters of shard {shard}")
-        with torch.no_grad():
-            for name, value in values.items():
-                self.pieces[name].copy_(value)
-        self.versions[shard] = reply.step
 
     def _copy(self, shard: int) -> tuple[int, dict[str, Tensor]]:
         return self.versions[shard], {name: self.pieces[name].clone() for name in self.layout.shards[shard]}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from benchmarks.bench_backup_lab import NUM_REQUIRED, WARMUP, nth_per_step, summarise
+from benchmarks.bench_backup_lab import NUM_REQUIRED, WARMUP, matched_step_s, nth_per_step, summarise
 
 
 def _timing(peer: str, times: list[float], *, late: int = 0, job: str = "j", **extra: object) -> dict:
@@ -63,3 +63,10 @@ def test_the_summary_compares_b1_with_b0_at_equal_steps() -> None:
     assert rows["b1"]["step_reduction_vs_b0"] == pytest.approx(1 - 1.2 / 3.3, abs=1e-3)
     assert rows["b1"]["accuracy_minus_b0_points"] == pytest.approx(-0.5)
     assert rows["b1"]["straggler_late"] == 7
+
+
+def test_the_step_time_covers_the_steps_the_order_statistic_covers() -> None:
+    slow_start = [2.0] * WARMUP + [1.0] * 8  # the first gradients' allocations, left out of both
+    timing = _timing("a", [0.9] * 10, step_times_s=slow_start, train_s=sum(slow_start))
+    assert matched_step_s(timing) == pytest.approx(1.0)
+    assert matched_step_s(_timing("b", [1.0] * 10, train_s=12.0)) == pytest.approx(1.2)  # no step times

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from ravnest_p2p.strategies.sync_layout import SyncLayout, batch_slot, owner_of, shard_parameters
+from ravnest_p2p.strategies.sync_layout import (
+    SyncLayout,
+    batch_slot,
+    deal_owners,
+    owner_of,
+    shard_parameters,
+)
 
 
 def test_shards_cover_every_tensor_once_and_balance_bytes() -> None:
@@ -77,3 +83,38 @@ def test_owner_candidates_own_every_shard_and_the_others_take_over_only_when_all
     assert set(layout.owners({"a", "b", "c"})) <= {"d", "slow"}
     with pytest.raises(ValueError, match="subset"):
         SyncLayout.build("job", workers, sizes, 5, candidates=["stranger"])
+
+
+@pytest.mark.parametrize("num_workers", [2, 4, 5, 16])
+def test_one_shard_per_candidate_gives_every_candidate_one_whatever_the_job_id(num_workers: int) -> None:
+    workers = [f"peer-{i}" for i in range(num_workers)]
+    sizes = {f"t{i}": 1000 + 37 * i for i in range(3 * num_workers)}
+    for job in range(50):  # the hash alone gave some owner two of n shards for most ids
+        layout = SyncLayout.build(f"job-{job}", workers, sizes)
+        assert sorted(layout.owners()) == sorted(workers)
+
+
+def test_deal_is_largest_first_to_the_lightest_owner_and_salted_by_the_job() -> None:
+    sizes = [50, 40, 30, 20, 10, 10]
+    owners = deal_owners("job", sizes, ["a", "b", "c"])
+    loads = {peer: sum(s for s, o in zip(sizes, owners, strict=True) if o == peer) for peer in "abc"}
+    assert sorted(loads.values()) == [50, 50, 60]  # within one shard of each other
+    assert owners == deal_owners("job", sizes, ["c", "a", "b"])  # the candidates' order does not matter
+    firsts = {deal_owners(f"job-{k}", [1, 1, 1], ["a", "b", "c"])[0] for k in range(30)}
+    assert firsts == {"a", "b", "c"}  # two jobs deal their first shard to different peers
+    with pytest.raises(ValueError, match="no candidate"):
+        deal_owners("job", [1], [])
+
+
+def test_a_shard_moves_only_when_its_holder_dies_whatever_the_order_of_deaths() -> None:
+    workers = [f"peer-{i}" for i in range(6)]
+    sizes = {f"t{i}": 100 + i for i in range(24)}
+    layout = SyncLayout.build("job", workers, sizes, num_shards=12)
+    for first in workers:
+        one = layout.owners({first})
+        for second in workers:
+            if second == first:
+                continue
+            two = layout.owners({first, second})
+            assert all(new == old for old, new in zip(one, two, strict=True) if old != second)
+            assert not {first, second} & set(two)

@@ -148,8 +148,9 @@ async def test_the_owner_refuses_malformed_pushes() -> None:
     other = next(r.rpc.peer_id for r in runners if r is not owner_runner)
 
     async def push(tensors: list[torch.Tensor], *, sender: str = other, **fields: object) -> None:
-        body = {"job_id": "sync", "shard": shard, "step": 0, "names": names, "wait_s": 0, **fields}
-        request = SyncPush.model_validate(body)
+        part = {"shard": shard, "step": 0, "names": names, **fields}
+        job_id = part.pop("job_id", "sync")
+        request = SyncPush.model_validate({"job_id": job_id, "parts": [part], "wait_s": 0})
         await service.handle_push(request, tensors, CallContext(remote_peer_id=sender, method="sync_push"))
 
     with pytest.raises(InvalidMessage, match="not a worker"):
