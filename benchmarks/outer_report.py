@@ -62,7 +62,7 @@ def markdown(payload: dict[str, Any]) -> str:
         "hivemind's, per ring chunk; bytes: the encoded chunks with their codebooks) is listed too: "
         "the cheapest periodic averaging the ring offers today. Its rounding of the weights themselves "
         "(not of a Δ, no error feedback) kept it 0.6-1.5 % above the target on seed 0 at every period.",
-        "- Runs shared 2 cores at load 4-15 (session 9) and 15-50 (earlier; other sessions); wall times "
+        "- Runs shared 2 cores at load 4-22 (session 9) and 15-50 (earlier; other sessions); wall times "
         "are not comparable, none are reported. Runs are cached by configuration and seed "
         "(`outer_optimizer_runs.json`), so rows of earlier sessions are their runs (same code path).",
         "",
