@@ -4,7 +4,8 @@
 writes benchmarks/results/outer_optimizer.{md,json,png}. One process per run, several replicas
 (clusters) of a character MLP on pydoc_data text (`outer_sim.py`; rings simulated by plain means).
 
-1. Plain averaging: every step, periodic over a grid of periods (fp32 and the ring's fp16), all seeds.
+1. Plain averaging: every step, periodic over a grid of periods (fp32, the ring's fp16 and its 8-bit
+   codecs), all seeds.
 2. Outer optimizer, uncompressed, per H: a grid of (outer lr, momentum), DiLoCo's 0.7 / 0.9 first; the
    best final loss at each H (first seed) is chosen and rerun on the other seeds.
 3. Compressed Δ (int8, int4, top-k) at each H with that H's chosen (lr, momentum), all seeds.
@@ -57,7 +58,7 @@ def row(method: Method, runs: dict[int, Trace], every: dict[int, Trace]) -> dict
     return {
         "method": method.name,
         "period": method.period,
-        "compression": "fp16" if method.fp16 else (c.compression.value if c else "-"),
+        "compression": "fp16" if method.fp16 else (c.compression.value if c else method.plain_codec or "-"),
         "seeds": len(runs),
         "final_val_loss": round(statistics.fmean(finals), 4),
         "final_spread": round(max(finals) - min(finals), 4),
@@ -98,7 +99,7 @@ def plan(
     if only_codec.startswith("periodic"):  # e.g. "periodic 256;periodic 128 fp16"
         return [(plain[n], s) for n in only_codec.split(";") for s in seeds]
     if only_codec:
-        return [(outer(h, only_codec), s) for h in (50, 100, 200, 10) for s in seeds]
+        return [(outer(h, only_codec), s) for h in OUTER_H for s in seeds]
     first, rest = seeds[0], seeds[1:]
     second = rest[0] if rest else first
     # what the headline comparison needs first, on both seeds; then the rest of the grid
@@ -113,7 +114,12 @@ def plan(
         out += [(outer(h, c), s) for h in (200, 10) for c in ("none", "int4", "int8")]
         out += [(outer(100, "int8"), s), (plain["periodic 32 fp16"], s), (plain["periodic 128"], s)]
     out += [(plain["periodic 32 fp16"], first)]
-    out += [(m, first) for h in (200, 100, 50, 10) for m in tuning.values() if m.period == h]  # last
+    # session 9: the longer H, the plain codecs and periods added since (cached runs are skipped)
+    codecs_all = ("none", "int4", "int8", "topk")
+    out += [(outer(h, c), s) for h in (500, 400, 300) for s in seeds for c in codecs_all]
+    out += [(m, s) for m in plain.values() for s in seeds]
+    # the tuning grid last
+    out += [(m, first) for h in sorted(OUTER_H, reverse=True) for m in tuning.values() if m.period == h]
     return [(m, s) for m, s in out if m.period in OUTER_H or m.outer is None]
 
 
@@ -188,13 +194,20 @@ def report(grid: Grid, seeds: list[int], args: argparse.Namespace) -> None:
     tuned = rows_of(tuning, use[:1])
     chosen = {h: _chosen(tuned, h) for h in OUTER_H}
     rows = list(rows_of(plain, use).values()) + list(rows_of(finals, use).values())
+    best_periodic = min(
+        (r for r in rows if str(r["method"]).startswith("periodic")),
+        key=lambda r: float(r["bytes_to_target"] or "inf"),  # type: ignore[arg-type]
+    )["method"]
+    show = {"every step", "periodic 64", "periodic 128", "periodic 128 uniform8bit", str(best_periodic)}
+    for h in (50, 200, 400, 500):
+        lr, mu = chosen[h]
+        show |= {outer_name(h, lr, mu), outer_name(h, lr, mu, "int4")}
+    show |= {outer_name(100, *chosen[100], "topk"), outer_name(500, *chosen[500], "int8")}
     payload = {
         "args": vars(args),
+        "plot_methods": sorted(show),
         "chosen_lr_momentum": {str(h): v for h, v in chosen.items()},
-        "best_periodic": min(
-            (r for r in rows if str(r["method"]).startswith("periodic")),
-            key=lambda r: float(r["bytes_to_target"] or "inf"),  # type: ignore[arg-type]
-        )["method"],
+        "best_periodic": best_periodic,
         "tuning": list(tuned.values()),
         "rows": rows,
         "traces_seed0": {name: vars(t) for (name, _), t in grid.traces(plain + finals, use[:1]).items()},

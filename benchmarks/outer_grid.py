@@ -23,10 +23,14 @@ from ravnest_p2p.averaging import DeltaCompression, OuterOptimizerConfig
 __all__ = ["OUTER_H", "PERIODS", "Grid", "codec_methods", "run_all", "tuning_methods"]
 
 PERIODS = (16, 32, 64, 128, 256)
-FP16_PERIODS = (32, 64, 128)
-OUTER_H = (10, 50, 100, 200)
-# outer (lr, momentum) tried per H, DiLoCo's 0.7 / 0.9 first (the baseline)
-OUTER_GRID = ((0.7, 0.9), (1.0, 0.9), (0.5, 0.9), (0.7, 0.8))
+FP16_PERIODS = (32, 64, 96, 128, 160, 192, 256)
+# plain averaging through the ring's 8-bit codecs (hivemind's; periodic's cheapest existing wire)
+INT8_PERIODS = (64, 128, 192, 256)
+PLAIN_8BIT = ("uniform8bit", "quantile8bit")
+OUTER_H = (10, 50, 100, 200, 300, 400, 500)
+# outer (lr, momentum) tried per H, DiLoCo's 0.7 / 0.9 first (the baseline); a lower momentum with lr 1
+# keeps the first syncs of a long H from overshooting (session 9: H >= 300 needed it)
+OUTER_GRID = ((0.7, 0.9), (1.0, 0.9), (0.5, 0.9), (0.7, 0.8), (1.0, 0.5))
 # compressed Δ: the codecs, each with its settings (top-k: SparseLoCo-style, see pseudograd.py)
 CODECS: dict[str, dict[str, object]] = {
     "int8": {"compression": DeltaCompression.INT8},
@@ -50,6 +54,7 @@ def plain_methods() -> list[Method]:
     out = [Method("every step", 1)]
     out += [Method(f"periodic {p}", p) for p in PERIODS]
     out += [Method(f"periodic {p} fp16", p, fp16=True) for p in FP16_PERIODS]
+    out += [Method(f"periodic {p} {c}", p, plain_codec=c) for c in PLAIN_8BIT for p in INT8_PERIODS]
     return out
 
 

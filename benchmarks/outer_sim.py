@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from ravnest_p2p.averaging import DeltaCompression, OuterOptimizer, OuterOptimizerConfig
 from ravnest_p2p.training.data import load_char_corpus, load_digits
+from ravnest_p2p.transport.codec import Compression, decode_tensor, encode_tensor
 
 __all__ = ["Method", "Problem", "Trace", "make_problem", "simulate"]
 
@@ -36,12 +37,15 @@ class Method:
     """How replicas sync: every `period` inner steps, plainly (`outer` None) or by the outer optimizer.
 
     `fp16`: a plain average through the ring's fp16 compression (what plain averaging can do today).
+    `plain_codec`: a plain average through one of the ring's 8-bit codecs instead (``uniform8bit``,
+    ``quantile8bit``: hivemind's, `transport/codec.py`), each of the C ring chunks quantised on its own.
     """
 
     name: str
     period: int
     outer: OuterOptimizerConfig | None = None
     fp16: bool = False
+    plain_codec: str = ""
 
 
 @dataclass
@@ -113,6 +117,10 @@ def _ring_bytes(numel: int, method: Method, num_replicas: int) -> tuple[int, int
     """(bytes on the wire today, bytes a compressed transport would move) per replica per sync."""
     share = 2 * (num_replicas - 1) / num_replicas
     wire = math.ceil(share * (2 if method.fp16 else 4) * numel)
+    if method.plain_codec:  # every member sends 2(C-1) encoded chunks of ~numel / C (codebooks included)
+        chunks = torch.zeros(numel).chunk(num_replicas)
+        encoded = sum(len(encode_tensor(c, Compression(method.plain_codec))) for c in chunks)
+        return math.ceil(share * encoded), math.ceil(share * encoded)
     c = method.outer
     if c is None or c.compression is DeltaCompression.NONE:
         return wire, wire
@@ -164,7 +172,7 @@ def simulate(
             opt.step()
         if step % method.period and step != num_steps:
             continue
-        _sync(models, outers, fp16=method.fp16)
+        _sync(models, outers, fp16=method.fp16, codec=method.plain_codec)
         syncs += 1
         if step >= next_eval or step == num_steps:
             next_eval = (step // eval_every + 1) * eval_every
@@ -189,7 +197,9 @@ def _consensus(models: list[nn.Module]) -> nn.Module:
 
 
 @torch.no_grad()
-def _sync(models: list[nn.Module], outers: list[OuterOptimizer], *, fp16: bool = False) -> None:
+def _sync(
+    models: list[nn.Module], outers: list[OuterOptimizer], *, fp16: bool = False, codec: str = ""
+) -> None:
     named = [dict(m.named_parameters()) for m in models]
     if outers:
         proposals = [
@@ -200,6 +210,17 @@ def _sync(models: list[nn.Module], outers: list[OuterOptimizer], *, fp16: bool =
         for outer, params in zip(outers, named, strict=True):
             for name, value in outer.step(mean).items():
                 params[name].copy_(value)
+    elif codec:  # each member's chunks and the mean's chunks through the ring's 8-bit codec
+        names = list(named[0])
+        flat = [torch.cat([p[n].detach().reshape(-1) for n in names]) for p in named]
+        rounded = [_through(f, codec, len(models)) for f in flat]
+        joint = _through(torch.stack(rounded).mean(0), codec, len(models))
+        for params in named:
+            offset = 0
+            for name in names:
+                n = params[name].numel()
+                params[name].copy_(joint[offset : offset + n].reshape(params[name].shape))
+                offset += n
     elif fp16:  # each member's values and the result rounded to fp16 (the ring re-rounds partial sums)
         half = [{n: t.detach().half().float() for n, t in p.items()} for p in named]
         mean = {n: torch.stack([p[n] for p in half]).mean(0).half().float() for n in half[0]}
@@ -211,3 +232,9 @@ def _sync(models: list[nn.Module], outers: list[OuterOptimizer], *, fp16: bool =
         for params in named:
             for name, value in mean.items():
                 params[name].copy_(value)
+
+
+def _through(flat: Tensor, codec: str, num_chunks: int) -> Tensor:
+    """`flat` encoded and decoded by the ring's codec, one ring chunk at a time (a ring's parts)."""
+    comp = Compression(codec)
+    return torch.cat([decode_tensor(encode_tensor(c.contiguous(), comp)) for c in flat.chunk(num_chunks)])

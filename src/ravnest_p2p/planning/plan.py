@@ -29,10 +29,10 @@ from collections.abc import Sequence
 from ravnest_p2p.planning.cluster_plans import fresh_clusters
 from ravnest_p2p.planning.links import LinkMatrix
 from ravnest_p2p.planning.replan import keep_whole_clusters
-from ravnest_p2p.planning.types import JobParams, PeerCapacity, PlacedStage, Plan
+from ravnest_p2p.planning.types import JobParams, PeerCapacity, PeerLinkRate, PlacedStage, Plan
 from ravnest_p2p.types import LayerProfile
 
-__all__ = ["make_plan"]
+__all__ = ["make_plan", "with_link_rates"]
 
 
 def make_plan(
@@ -68,6 +68,21 @@ def make_plan(
         clusters=tuple(plans),
         spare_peer_ids=tuple(sorted(p.peer_id for p in spares)),
     )
-    if not previous:
-        return fresh
-    return keep_whole_clusters(fresh, peers, layers, job, previous=previous, links=links)
+    if previous:
+        fresh = keep_whole_clusters(fresh, peers, layers, job, previous=previous, links=links)
+    return with_link_rates(fresh, peers)
+
+
+def with_link_rates(plan: Plan, peers: Sequence[PeerCapacity]) -> Plan:
+    """`plan` carrying its cluster members' link rates (from ``peers``, the agreed view), by peer id."""
+    planned = {p for cluster in plan.clusters for p in cluster.peer_ids}
+    rates = tuple(
+        PeerLinkRate(
+            peer_id=p.peer_id,
+            upload_bytes_per_s=p.upload_bytes_per_s,
+            download_bytes_per_s=p.download_bytes_per_s,
+        )
+        for p in sorted(peers, key=lambda p: p.peer_id)
+        if p.peer_id in planned
+    )
+    return plan.model_copy(update={"link_rates": rates})

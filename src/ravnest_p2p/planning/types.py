@@ -21,6 +21,7 @@ __all__ = [
     "InfeasiblePlan",
     "JobParams",
     "PeerCapacity",
+    "PeerLinkRate",
     "PlacedStage",
     "Plan",
     "StageAssignment",
@@ -113,12 +114,32 @@ class ClusterPlan(_Frozen):
         return tuple(s.peer_id for s in self.stages)
 
 
+class PeerLinkRate(_Frozen):
+    """One planned peer's link rates as the plan was made with them (bytes/s; the agreed view's figures)."""
+
+    peer_id: str = Field(min_length=1)
+    upload_bytes_per_s: float = Field(gt=0)
+    download_bytes_per_s: float = Field(gt=0)
+
+
 class Plan(_Frozen):
-    """The whole swarm's plan for one epoch: clusters plus the peers that wait as spares."""
+    """The whole swarm's plan for one epoch: clusters plus the peers that wait as spares.
+
+    `link_rates`: every planned peer's (upload, download) rate from the agreed view, sorted by peer id,
+    inside the digest, so every member reads the same figures (the averaging rings choose their Δ codec
+    from them: `averaging.codec_choice`). Empty: unknown (a plan made without them).
+    """
 
     epoch: int = Field(ge=0)
     clusters: tuple[ClusterPlan, ...]
     spare_peer_ids: tuple[str, ...] = ()
+    link_rates: tuple[PeerLinkRate, ...] = ()
+
+    def rates_by_peer(self) -> dict[str, tuple[float, float]] | None:
+        """Peer id -> (upload, download) bytes/s of the planned peers; None if the plan has none."""
+        if not self.link_rates:
+            return None
+        return {r.peer_id: (r.upload_bytes_per_s, r.download_bytes_per_s) for r in self.link_rates}
 
     def digest(self) -> str:
         """Hex sha256 of a canonical JSON form: equal plans give equal digests on every peer.

@@ -135,7 +135,8 @@ class ReplicaAverager:
         self.outer = None if outer is None else OuterOptimizer(outer, plain=executor.buffers_by_name())
         # every ring member's rates, the same figures at every member (the agreed plan's, bytes/s): chunk
         # sizes (`averaging/weights.py`) and the Δ codec per ring (`averaging/codec_choice.py`)
-        rates = None if link_rates is None else (lambda: link_rates)
+        self.link_rates = link_rates
+        rates = lambda: self.link_rates  # noqa: E731
         self.averager = (
             Averager(
                 schedule,
@@ -167,10 +168,11 @@ class ReplicaAverager:
         self._fragment_rings = fragment_rings(shard_map, self.num_fragments)
         self._fragment_tasks: dict[int, asyncio.Task[RoundMetrics | None]] = {}
 
-    def rebase(self, shard_map: ShardMap, *, final_step: int) -> None:
+    def rebase(self, shard_map: ShardMap, *, final_step: int, link_rates: LinkRates | None = None) -> None:
         """Average with the rings of a new plan's `shard_map` from the next round on (the stage kept its
         place in the new plan: `training.continuity`); a round under way finishes on the old rings."""
         self.shard_map = shard_map
+        self.link_rates = link_rates  # the new plan's (a round under way keeps the rates it started with)
         self.final_step = final_step
         self._fragment_rings = fragment_rings(shard_map, self.num_fragments)  # the new map's ring ids
         self.rings.expect(shard_map)

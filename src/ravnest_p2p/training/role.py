@@ -54,6 +54,8 @@ class StageRole:
         data_start: micro-batches already trained by the job (where this run's data resumes).
         optimizer_steps_start: optimizer steps already taken (the LR schedule's position).
         train_wall_s_start: seconds the job already trained.
+        plan_link_rates: every planned peer's (upload, download) bytes/s as the agreed plan records them
+            (`Plan.link_rates`, the same at every member: the rings' Δ codec); None off a plan or unknown.
     """
 
     job_id: str
@@ -75,6 +77,7 @@ class StageRole:
     data_start: int
     optimizer_steps_start: int
     train_wall_s_start: float
+    plan_link_rates: Mapping[str, tuple[float, float]] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -168,8 +171,10 @@ def role_for(
     Returns:
         The role, or None when the plan does not name this peer (a spare, or not a member).
     """
+    rates = None
     if isinstance(plan_or_assignment, Plan):
         assignment, epoch, on_plan = assignment_from_plan(plan_or_assignment), plan_or_assignment.epoch, True
+        rates = plan_or_assignment.rates_by_peer()
     else:
         assignment, epoch, on_plan = plan_or_assignment or job.assignment or (), 0, False
     for cluster_index, stages in enumerate(assignment):
@@ -202,5 +207,6 @@ def role_for(
                 data_start=progress.micro_batches if progress is not None else 0,
                 optimizer_steps_start=progress.optimizer_steps if progress is not None else 0,
                 train_wall_s_start=progress.train_wall_s if progress is not None else 0.0,
+                plan_link_rates=rates,
             )
     return None

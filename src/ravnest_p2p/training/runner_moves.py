@@ -76,6 +76,7 @@ class InPlaceMoves:
             period_s=job.averaging_period_s,
             final_step=final_step,
             outer=job.outer_optimizer,
+            link_rates=self.role.plan_link_rates,  # the agreed plan's, alike at every ring member
         )
         executor = self.service.executor
         if replicas.outer is not None:
@@ -113,7 +114,7 @@ class InPlaceMoves:
         self.role = role
         final_step = self._final_optimizer_step(role)
         if self.replicas is not None and role.shard_map is not None:
-            self.replicas.rebase(role.shard_map, final_step=final_step)
+            self.replicas.rebase(role.shard_map, final_step=final_step, link_rates=role.plan_link_rates)
         elif self.replicas is not None:  # no other cluster left to average with
             replicas, self.replicas = self.replicas, None
             await replicas.aclose()

@@ -16,6 +16,7 @@ def test_public_api_is_pinned() -> None:
         "LinkMatrix",
         "LinkReport",
         "PeerCapacity",
+        "PeerLinkRate",
         "PlacedStage",
         "Placement",
         "Plan",

@@ -39,7 +39,7 @@ class FakeReplicas:
     async def start(self) -> None:
         pass
 
-    def rebase(self, shard_map, *, final_step) -> None:
+    def rebase(self, shard_map, *, final_step, link_rates=None) -> None:
         self.shard_map, self.final_step = shard_map, final_step
 
     async def on_step(self, step: int) -> None:
