@@ -24,7 +24,7 @@ from ravnest_p2p.discovery import (
     RunDHT,
     dht_time,
 )
-from ravnest_p2p.discovery.records import MAX_RTT_MS
+from ravnest_p2p.discovery.records import MAX_FLOPS, MAX_RTT_MS
 from ravnest_p2p.measurement import (
     LinkPublisher,
     NetworkMeter,
@@ -71,6 +71,9 @@ class EmulationConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     flops_scale: float = Field(default=1.0, gt=0, le=1e3)
+    # the compute figure to report instead of measuring one (then scaled by flops_scale): a test's plan
+    # must not depend on how busy the host was when its peers started; never re-measured
+    flops_per_s: float | None = Field(default=None, ge=1e6, le=MAX_FLOPS)
     upload_mbps: float | None = Field(default=None, gt=0)
     download_mbps: float | None = Field(default=None, gt=0)
 
@@ -220,7 +223,13 @@ class Peer:
     async def _start(self) -> None:
         self._maddrs = [] if self.config.client_mode else await self.transport.visible_maddrs()
         await self.meter.serve()
-        self.flops = await run_in_compute_thread(measure_matmul_flops, self.config.device, self.config.dtype)
+        pinned_flops = self.config.emulate.flops_per_s if self.config.emulate is not None else None
+        if pinned_flops is None:
+            self.flops = await run_in_compute_thread(
+                measure_matmul_flops, self.config.device, self.config.dtype
+            )
+        else:
+            self.flops = pinned_flops
         self.state = PeerState.READY
         await self.announcer.publish_once()
         self._tasks.spawn(self.announcer.run(), name="announce")
@@ -234,7 +243,7 @@ class Peer:
             self.membership.add_listener(lambda _plan: self.announcer.refresh_soon())
             self._tasks.spawn(self.membership.run(), name="membership")
         self._tasks.spawn(self.supervisor.run(), name="jobs")
-        if self.config.compute_refresh_s > 0:
+        if self.config.compute_refresh_s > 0 and pinned_flops is None:
             self._tasks.spawn(self._compute_refresher().run(), name="compute-refresh")
         logger.info("peer %s ready: %.1f GFLOP/s", self.peer_id, self.flops / 1e9)
         if self.config.run_owner is None:

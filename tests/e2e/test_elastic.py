@@ -39,13 +39,13 @@ from ravnest_p2p.swarm import LocalSwarm, PeerProcess
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import StageMetrics
 from ravnest_p2p.utils import wait_until
-from tests.e2e._config import FAST_MEMBERSHIP_PEER_CONFIG
+from tests.e2e._config import FAST_MEMBERSHIP_PEER_CONFIG, PINNED_COMPUTE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 RUN_ID = "elastic"
 INITIAL_LOSS = 2.30  # ln(10): ten digit classes, an untrained model
-PEER_CONFIG = FAST_MEMBERSHIP_PEER_CONFIG
+PEER_CONFIG = FAST_MEMBERSHIP_PEER_CONFIG + PINNED_COMPUTE  # two clusters x two stages, whatever the load
 _RESUMED = re.compile(r"resumed at micro-batch (\d+): held-out loss ([0-9.]+)")
 _EVALUATED = re.compile(r"\] micro-batch (\d+): held-out loss ([0-9.]+)")
 _IN_PLACE = re.compile(r"plan moved to epoch (\d+); cluster unchanged")

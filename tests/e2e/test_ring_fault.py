@@ -6,7 +6,8 @@ victim (the last stage of one cluster) logs that it started round N, the test fr
 group (peer and daemon) with SIGSTOP, checks from its log that round N is still running there, and
 SIGKILLs the group. Then:
 
-- the victim's ring partners finish round N without it, within the ring's round deadline;
+- the victim's ring partners finish round N without it, within the ring's round deadline (or, when
+  the victim's parts had all gone out before the freeze and round N completed, round N + 1);
 - the other cluster keeps training (its first stage's step advances after the kill);
 - the membership opens a newer epoch whose plan leaves the victim out, and the job runs to the end
   on it (a re-plan restarts the job, see `Peer._run_stage`).
@@ -32,14 +33,14 @@ from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import StageMetrics
 from ravnest_p2p.training.replicas import FINAL_ROUND
 from ravnest_p2p.utils import wait_until
-from tests.e2e._config import FAST_MEMBERSHIP_PEER_CONFIG
+from tests.e2e._config import FAST_MEMBERSHIP_PEER_CONFIG, PINNED_COMPUTE
 
 pytestmark = pytest.mark.timeout(420)
 
 RUN_ID = "ringfault"
 PERIOD_STEPS = 8
-# fast membership: a dead peer's record expires in 6 s, it is dropped 3 s later
-PEER_CONFIG = FAST_MEMBERSHIP_PEER_CONFIG
+# fast membership: a dead peer's record expires in 6 s, it is dropped 3 s later; compute pinned
+PEER_CONFIG = FAST_MEMBERSHIP_PEER_CONFIG + PINNED_COMPUTE
 
 
 async def wait_for(
@@ -153,6 +154,23 @@ async def test_sigkill_a_ring_member_mid_round(tmp_path: Path):
                 partner_finishes_the_round, deadline_s + 10, what=f"the partner's round {round_index}"
             )
             assert result is not None
+            if result[1:] == (2, 2):
+                # legal on a busy host: every part of the victim's had gone out before the freeze and
+                # the partner's log lagged past the grace period; its next round must go without it
+                print(f"round {round_index} completed before the kill: {result}; checking the next one")
+
+                async def partner_starts_a_later_round() -> bool:
+                    nonlocal round_index
+                    later = {n for n in started_rounds(partner.log(), epoch) if n > round_index}
+                    if later:
+                        round_index = min(later)
+                    return bool(later)
+
+                await wait_for(partner_starts_a_later_round, 60, what="the partner's next round")
+                await wait_for(
+                    partner_finishes_the_round, deadline_s + 10, what=f"the partner's round {round_index}"
+                )
+                assert result is not None
             round_s, participants, replicas = result
             assert round_s < deadline_s, result
             assert (participants, replicas) == (1, 2), result

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from ravnest_p2p.planning.clustering import cluster_peers
 from ravnest_p2p.planning.links import LinkMatrix
 from ravnest_p2p.planning.ordering import order_stages
-from ravnest_p2p.planning.partition import evaluate_partition, layer_memory_bytes
+from ravnest_p2p.planning.partition import evaluate_partition
 from ravnest_p2p.planning.sites import cluster_by_site
 from ravnest_p2p.planning.types import (
     ClusterPlan,
@@ -41,8 +41,16 @@ def fixed_cluster_plan(
     layers: Sequence[LayerProfile],
     job: JobParams,
     links: LinkMatrix | None,
+    *,
+    bottleneck_s: float | None = None,
 ) -> ClusterPlan:
-    """The plan of a cluster whose stage order and cut points are given, timed with today's figures."""
+    """The plan of a cluster whose stage order and cut points are given, timed with today's figures.
+
+    ``bottleneck_s``: the slowest stage's time when the caller already has it (`cluster_plan` passes
+    the partition DP's figure); None: the largest of the stage times computed here. The two agree
+    to a few ulps only (the DP sums FLOPs as prefix differences), and the bottleneck is part of
+    `Plan.digest`, so a fresh plan keeps the DP's figure.
+    """
     times, memory = evaluate_partition(order, layers, job, cuts, links)
     bounds = [0, *cuts, len(layers)]
     stages = tuple(
@@ -55,7 +63,9 @@ def fixed_cluster_plan(
         )
         for j, peer in enumerate(order)
     )
-    return ClusterPlan(index=index, stages=stages, bottleneck_s=max(times))
+    return ClusterPlan(
+        index=index, stages=stages, bottleneck_s=max(times) if bottleneck_s is None else bottleneck_s
+    )
 
 
 def cluster_plan(
@@ -67,19 +77,7 @@ def cluster_plan(
 ) -> ClusterPlan:
     """The best stage order and partition of ``members`` (raises `InfeasiblePlan`)."""
     order, cuts, bottleneck = order_stages(members, layers, job, links)
-    times, _ = evaluate_partition(order, layers, job, cuts, links)
-    bounds = [0, *cuts, len(layers)]
-    stages = tuple(
-        StageAssignment(
-            peer_id=peer.peer_id,
-            first_layer=bounds[j],
-            last_layer_exclusive=bounds[j + 1],
-            stage_time_s=times[j],
-            memory_bytes=sum(layer_memory_bytes(layer, job) for layer in layers[bounds[j] : bounds[j + 1]]),
-        )
-        for j, peer in enumerate(order)
-    )
-    return ClusterPlan(index=index, stages=stages, bottleneck_s=bottleneck)
+    return fixed_cluster_plan(index, order, cuts, layers, job, links, bottleneck_s=bottleneck)
 
 
 def _plan_or_take_spares_back(

@@ -7,52 +7,21 @@ import asyncio
 import pytest
 import torch
 
-from ravnest_p2p.averaging import (
-    AveragerConfig,
-    DeltaCompression,
-    OuterAverager,
-    OuterOptimizer,
-    OuterOptimizerConfig,
-)
+from ravnest_p2p.averaging import DeltaCompression, OuterOptimizerConfig
 from ravnest_p2p.training.replicas import tensor_digests
-from tests.integration.averaging.test_rings_real import replica, swarm  # noqa: F401  (the fixture)
+from tests.integration.averaging.helpers import drift, outer_averagers
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def drift(live, cluster_of, round_index):
-    for peer, params in live.items():
-        gen = torch.Generator().manual_seed(100 * round_index + cluster_of[peer])
-        for name in sorted(params):
-            params[name].add_(0.01 * torch.randn(params[name].shape, generator=gen))
-
-
-async def test_every_codec_leaves_identical_replicas_and_sends_its_real_bytes(swarm):  # noqa: F811
+async def test_every_codec_leaves_identical_replicas_and_sends_its_real_bytes(swarm):
     _, servers, shard_map, owner_values, _ = swarm
     cluster_of = {p: c for p, (c, _) in owner_values.items()}
-    start = replica(0)  # every cluster starts from the same weights (the job's seed)
     sent: dict[DeltaCompression, int] = {}
     round_index = 0
     for kind in DeltaCompression:
-        live = {p: {n: start[n].clone() for n in named} for p, (_, named) in owner_values.items()}
-        averagers = {}
-        for server in servers:
-            p = server.peer_id
-            outer = OuterOptimizer(OuterOptimizerConfig(compression=kind, topk_fraction=0.05))
-            outer.initialise(live[p])
-
-            def write(named, mine=live[p]):
-                for name, value in named.items():
-                    mine[name].copy_(value)
-
-            averagers[p] = OuterAverager(
-                AveragerConfig(period_steps=1),
-                server,
-                outer=outer,
-                read=lambda mine=live[p]: mine,
-                write=write,
-                shard_map=lambda: shard_map,
-            )
+        outer = OuterOptimizerConfig(compression=kind, topk_fraction=0.05)
+        live, averagers = outer_averagers(servers, shard_map, owner_values, outer)
         sent[kind] = 0
         for _ in range(2):
             drift(live, cluster_of, round_index)

@@ -18,11 +18,9 @@ import signal
 import pytest
 import torch
 
-from ravnest_p2p.averaging import AveragerConfig, DeltaCompression, OuterAverager, OuterOptimizer
-from ravnest_p2p.averaging import OuterOptimizerConfig as Outer
+from ravnest_p2p.averaging import DeltaCompression, OuterOptimizerConfig
 from ravnest_p2p.averaging.session import RingSession
-from tests.integration.averaging.test_outer_wire_real import drift
-from tests.integration.averaging.test_rings_real import replica, swarm  # noqa: F401  (the fixture)
+from tests.integration.averaging.helpers import drift, outer_averagers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,32 +54,14 @@ def same(tensors: list[dict[str, torch.Tensor]], names) -> bool:
     ],
 )
 async def test_survivors_apply_the_same_mean_whatever_phase_a_member_dies_in(
-    swarm,  # noqa: F811
+    swarm,
     phase,
     monkeypatch,
 ):
     transports, servers, shard_map, owner_values, closed = swarm
     cluster_of = {p: c for p, (c, _) in owner_values.items()}
-    start = replica(0)
-    live = {p: {n: start[n].clone() for n in named} for p, (_, named) in owner_values.items()}
-    averagers = {}
-    for server in servers:
-        p = server.peer_id
-        outer = OuterOptimizer(Outer(compression=DeltaCompression.INT8))
-        outer.initialise(live[p])
-
-        def write(named, mine=live[p]):
-            for name, value in named.items():
-                mine[name].copy_(value)
-
-        averagers[p] = OuterAverager(
-            AveragerConfig(period_steps=1),
-            server,
-            outer=outer,
-            read=lambda mine=live[p]: mine,
-            write=write,
-            shard_map=lambda: shard_map,
-        )
+    outer = OuterOptimizerConfig(compression=DeltaCompression.INT8)
+    live, averagers = outer_averagers(servers, shard_map, owner_values, outer)
     drift(live, cluster_of, 0)
     await asyncio.gather(*(a.run_round(0) for a in averagers.values()))
 
@@ -128,7 +108,3 @@ async def test_survivors_apply_the_same_mean_whatever_phase_a_member_dies_in(
             ]
             assert len({x.participants for x in rings}) == 1, (phase, r, [x.participants for x in rings])
             assert len(rings[0].participants) == len(alive) or victim.peer_id in rings[0].participants
-
-
-def ring_of(metrics, ring_id):
-    return next(x for x in metrics.rings if x.ring_id == ring_id)

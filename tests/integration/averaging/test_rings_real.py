@@ -9,68 +9,9 @@ import time
 import pytest
 import torch
 
-from ravnest_p2p.averaging import RingAllReduce, RingConfig, build_shard_map
-from ravnest_p2p.transport import HostConfig, P2PTransport, RpcEndpoint, load_or_create_identity
+from tests.integration.averaging.helpers import CONFIG, replica
 
 pytestmark = pytest.mark.timeout(90)
-
-# 5 layers, ~1.1 M floats in all (parts of 256 KiB, a few parts per chunk)
-SHAPES = {
-    "0.weight": (256, 256),
-    "0.bias": (256,),
-    "1.weight": (512, 256),
-    "2.running_mean": (512,),
-    "2.weight": (512,),
-    "3.weight": (512, 512),
-    "4.weight": (256, 512),
-    "4.bias": (256,),
-}
-SPLITS = [3, 1, 4]  # cluster c: stage 0 = layers < SPLITS[c], stage 1 = the rest
-CONFIG = RingConfig(part_size_bytes=256 << 10, step_timeout_s=3.0, probe_timeout_s=1.0)
-
-
-def replica(seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
-
-
-@pytest.fixture
-async def swarm():
-    transports = await asyncio.gather(
-        *(P2PTransport.create(HostConfig(), load_or_create_identity(None)) for _ in range(2 * len(SPLITS)))
-    )
-    servers: list[RingAllReduce] = []
-    closed: set[int] = set()
-    try:
-        maddrs = {t.peer_id: await t.visible_maddrs() for t in transports}
-        for t in transports:
-            for peer_id, addrs in maddrs.items():
-                if peer_id != t.peer_id:
-                    t.add_addresses(peer_id, addrs)
-        clusters, owner_values = [], {}
-        for c, cut in enumerate(SPLITS):
-            values = replica(c)
-            stages = []
-            for s in range(2):
-                peer = transports[2 * c + s].peer_id
-                names = [n for n in SHAPES if (int(n.split(".")[0]) < cut) == (s == 0)]
-                stages.append((peer, [(n, values[n].numel()) for n in names]))
-                owner_values[peer] = (c, {n: values[n] for n in names})
-            clusters.append(stages)
-        shard_map = build_shard_map(clusters, epoch=2)
-        for t in transports:
-            server = RingAllReduce(RpcEndpoint(t, "it-avg"), CONFIG)
-            await server.start()
-            servers.append(server)
-        yield transports, servers, shard_map, owner_values, closed
-    finally:
-        for i, server in enumerate(servers):
-            if i not in closed:
-                await server.aclose()
-        open_transports = [t for i, t in enumerate(transports) if i not in closed]
-        await asyncio.wait_for(
-            asyncio.gather(*(t.aclose() for t in open_transports), return_exceptions=True), 30
-        )
 
 
 def mean(seeds: list[int], name: str) -> torch.Tensor:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from ravnest_p2p.measurement import ProbeConfig
 from ravnest_p2p.membership import DhtSuspectBoard, MembershipConfig
-from ravnest_p2p.node import Peer, PeerConfig
+from ravnest_p2p.node import EmulationConfig, Peer, PeerConfig
 from ravnest_p2p.planning import Plan
 
 MEMBERSHIP = MembershipConfig(
@@ -22,6 +22,10 @@ MEMBERSHIP = MembershipConfig(
     agreement_timeout_s=20.0,
 )
 
+# what these tests check does not depend on compute: the figure is pinned, not measured (measuring on a
+# busy host takes seconds per peer, one peer after another, and gives figures that differ wildly)
+PINNED_COMPUTE = EmulationConfig(flops_per_s=4e9)
+
 
 def config(run_id: str, initial_peers: tuple[str, ...] = (), *, record_ttl_s: float = 30.0) -> PeerConfig:
     return PeerConfig(
@@ -32,6 +36,7 @@ def config(run_id: str, initial_peers: tuple[str, ...] = (), *, record_ttl_s: fl
         check_identity_free=False,
         probe=ProbeConfig(period_s=30.0, initial_probe_bytes=64 * 1024, max_probe_bytes=128 * 1024),
         membership=MEMBERSHIP,
+        emulate=PINNED_COMPUTE,
     )
 
 

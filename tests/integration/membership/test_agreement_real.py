@@ -38,6 +38,7 @@ def config(i: int, initial_peers: tuple[str, ...] = ()) -> PeerConfig:
         probe=ProbeConfig(period_s=30.0, initial_probe_bytes=64 * 1024, max_probe_bytes=128 * 1024),
         membership=MEMBERSHIP,
         emulate=EmulationConfig(  # heterogeneous on loopback: 4 compute levels, 3 uplink caps
+            flops_per_s=4e9,  # pinned: 12 peers measuring one after another on a busy host take ~30 s
             flops_scale=(0.25, 0.5, 1.0, 2.0)[i % 4],
             upload_mbps=(10.0, 40.0, 160.0)[i % 3],
             download_mbps=200.0,

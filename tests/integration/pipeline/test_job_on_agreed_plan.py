@@ -10,7 +10,7 @@ import pytest
 from ravnest_p2p.client import RunClient
 from ravnest_p2p.measurement import ProbeConfig
 from ravnest_p2p.membership import MembershipConfig
-from ravnest_p2p.node import Peer, PeerConfig
+from ravnest_p2p.node import EmulationConfig, Peer, PeerConfig
 from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.training.job import JobSpec
 
@@ -22,6 +22,8 @@ FAST = {
     "directory_refresh_s": 0.5,
     "check_identity_free": False,
     "job_poll_s": 0.5,
+    # compute pinned, not measured: a busy host's figures (seen: 5.5 vs 0.1 GFLOP/s) only slow the start
+    "emulate": EmulationConfig(flops_per_s=4e9),
     # figures that do not move during agreement (see the closing note on capacity drift)
     "probe": ProbeConfig(period_s=300.0, initial_probe_bytes=64 * 1024, max_probe_bytes=128 * 1024),
     "membership": MembershipConfig(

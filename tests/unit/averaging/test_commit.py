@@ -67,26 +67,23 @@ async def test_a_member_fetches_the_mean_from_a_holder_over_rpc():
     _net, shard_map, servers, _ = await fake_swarm(3, PARTS)
     shard = max(shard_map.shards, key=lambda s: len(s.owners))
     holder, fetcher, *_ = shard.owners
-    held = RingSession(
-        ring_id=shard.ring_id,
-        epoch=shard_map.epoch,
-        round_index=0,
-        me=holder,
-        numel=shard.numel,
-        part_numel=64,
-    )
-    held.start_attempt(0, shard.owners, torch.randn(shard.numel))
+
+    def started(me: str, values: torch.Tensor) -> RingSession:
+        session = RingSession(
+            ring_id=shard.ring_id,
+            epoch=shard_map.epoch,
+            round_index=0,
+            me=me,
+            numel=shard.numel,
+            part_numel=64,
+        )
+        session.start_attempt(0, shard.owners, values)
+        return session
+
+    held = started(holder, torch.randn(shard.numel))
     mean = held.adopt(torch.randn(shard.numel))
     servers[holder]._sessions[shard.ring_id] = held
-    mine = RingSession(
-        ring_id=shard.ring_id,
-        epoch=shard_map.epoch,
-        round_index=0,
-        me=fetcher,
-        numel=shard.numel,
-        part_numel=64,
-    )
-    mine.start_attempt(0, shard.owners, torch.zeros(shard.numel))
+    mine = started(fetcher, torch.zeros(shard.numel))
     fetched = await fetch_result(servers[fetcher].endpoint, mine, ["gone", holder], PARTS)
     assert fetched is not None
     assert torch.equal(fetched, mean)

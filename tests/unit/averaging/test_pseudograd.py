@@ -34,13 +34,21 @@ def test_topk_keeps_the_largest_entries():
         compress(value, DeltaCompression.TOPK, topk_fraction=0)
 
 
-@pytest.mark.parametrize("method", [DeltaCompression.INT4, DeltaCompression.TOPK])
-def test_error_feedback_loses_nothing_for_good(method):
-    # what was sent over all syncs + the final residual = what was to be sent
-    config = OuterOptimizerConfig(
-        lr=1.0, momentum=0.0, compression=method, chunk_numel=16, topk_fraction=0.05
-    )
-    outer = OuterOptimizer(config)
+SPARSE = {"compression": DeltaCompression.TOPK, "topk_fraction": 0.1, "topk_chunk": 16, "topk_bits": 2}
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [
+        {"compression": DeltaCompression.INT4, "chunk_numel": 16},
+        {"compression": DeltaCompression.TOPK, "topk_fraction": 0.05},
+        pytest.param(SPARSE, id="sparse"),  # SparseLoCo's chunked 2-bit top-k
+        pytest.param({**SPARSE, "local_momentum": True}, id="sparse-local-momentum"),
+    ],
+)
+def test_error_feedback_loses_nothing_for_good(codec):
+    # what was sent over all syncs + the final residual = what was to be sent (momentum 0: Δ itself)
+    outer = OuterOptimizer(OuterOptimizerConfig(lr=1.0, momentum=0.0, **codec))
     outer.initialise({"w": torch.zeros(64)})
     gen = torch.Generator().manual_seed(1)
     total_delta, total_sent = torch.zeros(64), torch.zeros(64)

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from ravnest_p2p.planning import JobParams, layer_memory_bytes, make_plan, model_memory_bytes
+from ravnest_p2p.planning.cluster_plans import cluster_plan, fixed_cluster_plan
 from tests.unit.planning.helpers import random_layers, random_peers
 
 JOB = JobParams(micro_batch_size=4, max_in_flight=3)
@@ -61,3 +62,22 @@ def test_swarm_without_enough_memory_has_only_spares() -> None:
     plan = make_plan(peers, layers, JOB, epoch=0)
     assert plan.clusters == ()
     assert len(plan.spare_peer_ids) == 3
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_fresh_cluster_plan_is_its_fixed_plan_with_the_dp_bottleneck(seed: int) -> None:
+    """`cluster_plan` prices its order and cuts through `fixed_cluster_plan`: same stages, and the
+    DP's bottleneck, which differs from the largest stage time by a few ulps at most."""
+    rng = np.random.default_rng(seed)
+    layers = random_layers(rng, int(rng.integers(3, 12)))
+    peers = random_peers(rng, int(rng.integers(1, 4)), (10**7, 10**8))
+    fresh = cluster_plan(0, peers, layers, JOB, None)
+    by_id = {p.peer_id: p for p in peers}
+    order = [by_id[pid] for pid in fresh.peer_ids]
+    fixed = fixed_cluster_plan(0, order, [s.first_layer for s in fresh.stages[1:]], layers, JOB, None)
+    assert fixed.stages == fresh.stages
+    assert [s.memory_bytes for s in fresh.stages] == [
+        sum(layer_memory_bytes(layer, JOB) for layer in layers[s.first_layer : s.last_layer_exclusive])
+        for s in fresh.stages
+    ]
+    assert fixed.bottleneck_s == pytest.approx(fresh.bottleneck_s, rel=1e-12)
