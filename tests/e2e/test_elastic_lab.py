@@ -138,8 +138,9 @@ def test_kill_9_of_a_stage_on_the_lab_resumes_within_30s_near_the_loss(tmp_path:
     result = run_on_the_lab(tmp_path, num_peers=8, mode="kill", run_id=f"elab-kill{run_tag()}", min_stages=3)
     final = report(result)
     assert result["training_again_after_s"] < 30.0, result
-    # every survivor trains again: 7 peers make two clusters of at least 3 stages (4 + 3)
-    assert len(result["plan_after"]) == 7, result["plan_after"]
+    # every survivor that trained before trains again: 7 peers make two clusters of at least 3 stages
+    # (4 + 3); with a spare before the kill (a busy host's plan), the spare may take the victim's place
+    assert len(result["plan_after"]) >= len(result["plan_before"]) - 1, result["plan_after"]
     loss_after = max(loss for _, loss in result["resumed"])
     # within 10 % of the loss at the kill (the surviving cluster trains on until the plan moves, so it is
     # usually lower), and near the last evaluation of the state handed over (consecutive evaluations 16
