@@ -302,6 +302,26 @@ class JobSupervisor:
         previous = self._previous.get(role.job_id)
         if previous is None and role.data_start > 0 and progress is not None:
             return await self._state_for_a_newcomer(job, role, progress)
+        if (
+            previous is not None
+            and previous.epoch != role.epoch
+            and role.data_start > 0
+            and progress is not None
+            and self._never_trained(previous, progress)
+            and (held is None or held.state.meta is None or held.state.meta.num_steps == 0)
+        ):
+            # this peer ran a plan the others never agreed on (a split vote: it alone activated it)
+            # or whose pipeline never formed, and holds a state that never took a step: not the job's
+            # state (initial weights, as a newcomer nobody served), and that plan's other "holders"
+            # never ran it. Take the layers as a newcomer does, from their holders on the newest plan
+            # that trained (seen twice on a busy host: a joiner resumed layers from initial weights,
+            # held-out loss 0.09 -> 0.76)
+            logger.info(
+                "job %s: epoch %d never trained here (no progress of it): state as a newcomer's",
+                role.job_id,
+                previous.epoch,
+            )
+            return await self._state_for_a_newcomer(job, role, progress)
         if previous is None or previous.epoch == role.epoch:
             # the job's first plan here, or a retry on the same plan (nothing moved)
             return (
@@ -333,6 +353,13 @@ class JobSupervisor:
         )
         logger.info("job %s: stage state from %s", role.job_id, self.last_origin)
         return state
+
+    def _never_trained(self, previous: StageRole, progress: ProgressView) -> bool:
+        """No cluster published progress on `previous`'s epoch (as read now or while it ran), while an
+        earlier epoch did: the job's state lives on that earlier plan's holders, not here."""
+        seen = set(progress.positions) | set(self._positions.get(previous.job_id, {}))
+        epochs = {epoch for epoch, _ in seen}
+        return previous.epoch not in epochs and any(epoch < previous.epoch for epoch in epochs)
 
     async def _state_for_a_newcomer(
         self, job: JobSpec, role: StageRole, progress: ProgressView

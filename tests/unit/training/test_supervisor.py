@@ -486,3 +486,36 @@ async def test_every_peer_restarted_may_start_the_job_again_once_its_progress_is
     assert (query.job, query.num_layers, query.members) == (ASSIGNED, 3, {"a", "me"})
     assert idle.last_origin == {"1-3": "checkpoint"}
     assert torch.equal(run.initial_state.tensors["2.weight"], torch.full((2,), 702.0))
+
+
+async def test_a_plan_only_this_peer_ran_is_not_a_source_its_layers_come_from_the_plan_that_trained():
+    """A joiner alone activated epoch 3 (the others disagreed on it and stayed on epoch 2): nobody served
+    it, it held initial weights that never took a step, and no cluster published progress on epoch 3.
+    On epoch 4 it must not hand itself that state, nor ask epoch 3's "holders": its layers come from
+    their holders on epoch 2 (a lab join resumed from initial weights that way: loss 0.09 -> 0.76)."""
+    dht, runners, plans = FakeDHT("me"), FakeRunners(), FakePlans()
+    await publish(dht, JOB)
+    for peer, cluster in (("a", 0), ("c", 1)):
+        writer = dht.as_signer(peer)
+        await publish_progress(
+            writer, JobProgress(job_id="j", peer_id=peer, epoch=2, cluster=cluster, micro_batches=50)
+        )
+    plans.active_workload = "j"
+    plans.active_plan = make_plan(3, [("a", 0, 2), ("b", 2, 3)], [("c", 0, 2), ("me", 2, 3)])
+    source = FakeStateSource({}, checkpoint_tag=None)  # nobody serves the joiner on epoch 3
+    alive = {"me", "a", "b", "c"}
+    sup, _ = supervisor(dht, runners, plans=plans, state_source=source, alive=lambda: alive)
+    async with running(sup):
+        await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run 1")
+        assert sup.last_origin == {"2-3": "initial weights"}
+        source.tags = {"a": 100.0, "b": 200.0, "c": 300.0}
+        plans.active_plan = make_plan(4, [("a", 0, 2), ("b", 2, 3)], [("c", 0, 1), ("me", 1, 3)])
+        await wait_until(
+            lambda: len(runners.made) == 2 and runners.made[1].started.is_set(), 5, message="run 2"
+        )
+    run = runners.made[1]
+    assert (run.role.epoch, run.role.first_layer, run.role.end_layer) == (4, 1, 3)
+    # from the epoch-2 holders of layers 1-3 in the other cluster, not from our own untrained copy
+    assert source.epochs[-1] == 2
+    assert sup.last_origin == {"1-2": "a", "2-3": "b"}
+    assert torch.equal(run.initial_state.tensors["2.weight"], torch.full((2,), 202.0))
