@@ -48,6 +48,7 @@ from ravnest_p2p.training.progress import (
 from ravnest_p2p.training.resume import (
     CheckpointQuery,
     HeldState,
+    Segment,
     StateSource,
     freshest_first,
     gather_state,
@@ -377,6 +378,16 @@ class JobSupervisor:
         # by cluster index, as every peer ranks replicas within `replica_tie_micro_batches` of each other
         order = list(range(len(role.assignment)))
         segments = state_sources(role.assignment, role, alive=alive, cluster_order=order)
+        # then every other live member: the plan's holders of these layers may have held others on the
+        # earlier plan (their cluster re-formed), while a member now on other layers held these (a lab
+        # join restarted layers from the initial weights that way); a peer without them answers empty
+        others = sorted((alive & role.plan_peers) - {self.peer_id})
+        segments = [
+            Segment(
+                s.first_layer, s.end_layer, (*s.candidates, *(p for p in others if p not in s.candidates))
+            )
+            for s in segments
+        ]
         state, self.last_origin = await gather_state(
             role,
             segments,

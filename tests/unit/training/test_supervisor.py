@@ -519,3 +519,27 @@ async def test_a_plan_only_this_peer_ran_is_not_a_source_its_layers_come_from_th
     assert source.epochs[-1] == 2
     assert sup.last_origin == {"1-2": "a", "2-3": "b"}
     assert torch.equal(run.initial_state.tensors["2.weight"], torch.full((2,), 202.0))
+
+
+async def test_a_newcomer_asks_every_live_member_when_the_plans_holders_of_its_layers_held_others_before():
+    """The plan's other holder of our layers (b) re-formed: on the earlier plan it held other layers and
+    answers nothing. Another member (a, now on layers 0-2) held them there: it is asked next, before
+    any checkpoint or the initial weights."""
+    dht, runners, plans = FakeDHT("me"), FakeRunners(), FakePlans()
+    await publish(dht, JOB)
+    for peer, cluster in (("a", 0), ("c", 1)):
+        writer = dht.as_signer(peer)
+        await publish_progress(
+            writer, JobProgress(job_id="j", peer_id=peer, epoch=2, cluster=cluster, micro_batches=50)
+        )
+    plans.active_workload = "j"
+    plans.active_plan = make_plan(3, [("a", 0, 2), ("b", 2, 3)], [("c", 0, 2), ("me", 2, 3)])
+    source = FakeStateSource({"a": 100.0}, checkpoint_tag=700.0)
+    alive = {"me", "a", "b", "c"}
+    sup, _ = supervisor(dht, runners, plans=plans, state_source=source, alive=lambda: alive)
+    async with running(sup):
+        await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run")
+    assert [(p, f, e) for p, f, e, _ in source.calls] == [("b", 2, 3), ("a", 2, 3)]
+    assert source.epochs == [2, 2]
+    assert source.checkpoint_calls == []
+    assert sup.last_origin == {"2-3": "a"}
