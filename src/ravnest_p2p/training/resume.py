@@ -238,6 +238,10 @@ async def gather_state(
     origin: dict[str, str] = {}
     for segment in segments:
         span = f"{segment.first_layer}-{segment.end_layer}"
+        # an answer without tensors: the peer holds none of these layers (it held others on that plan),
+        # or the layers have no parameters; kept only if nobody (no checkpoint either) has tensors for
+        # them. Taken as a source, it left a joiner's layers at the initial weights (held-out loss 1.91)
+        empty: tuple[str, StageState] | None = None
         for peer_id in segment.candidates:
             found: StageState | None = None
             if peer_id == role.peer_id:
@@ -255,6 +259,9 @@ async def gather_state(
                 except Exception as exc:  # a peer's failure costs that source, never the stage
                     logger.info("state of layers %s from %s failed: %r", span, peer_id, exc)
             part = _slice(found, segment)
+            if part is not None and not part.tensors:
+                empty = empty or (peer_id, part)
+                continue
             if part is not None:
                 parts.append(part)
                 origin[span] = peer_id
@@ -269,9 +276,13 @@ async def gather_state(
                 except Exception as exc:
                     logger.info("checkpoint of layers %s failed: %r", span, exc)
             part = _slice(found, segment)
-            if part is not None:
+            if part is not None and (part.tensors or empty is None):
                 parts.append(part)
                 origin[span] = "checkpoint"
+                continue
+            if empty is not None:  # nobody has tensors of these layers: they have none
+                parts.append(empty[1])
+                origin[span] = empty[0]
                 continue
             origin[span] = "initial weights"
             logger.warning("job %s: no state for layers %s; initial weights there", role.job_id, span)

@@ -543,3 +543,31 @@ async def test_a_newcomer_asks_every_live_member_when_the_plans_holders_of_its_l
     assert source.epochs == [2, 2]
     assert source.checkpoint_calls == []
     assert sup.last_origin == {"2-3": "a"}
+
+
+async def test_an_answer_without_tensors_is_not_taken_while_another_holder_has_them():
+    """b holds none of our layers on the earlier plan and answers an empty state: taking it left a
+    joiner's layers at the initial weights (held-out loss 1.91 on the lab). a's tensors win."""
+    dht, runners, plans = FakeDHT("me"), FakeRunners(), FakePlans()
+    await publish(dht, JOB)
+    for peer, cluster in (("a", 0), ("c", 1)):
+        writer = dht.as_signer(peer)
+        await publish_progress(
+            writer, JobProgress(job_id="j", peer_id=peer, epoch=2, cluster=cluster, micro_batches=50)
+        )
+    plans.active_workload = "j"
+    plans.active_plan = make_plan(3, [("a", 0, 2), ("b", 2, 3)], [("c", 0, 2), ("me", 2, 3)])
+
+    class EmptyFromB(FakeStateSource):
+        async def fetch(self, peer_id: str, **kw: Any) -> Any:
+            state = await super().fetch(peer_id, **kw)
+            return state.subset([]) if peer_id == "b" and state is not None else state
+
+    source = EmptyFromB({"a": 100.0, "b": 200.0})
+    alive = {"me", "a", "b", "c"}
+    sup, _ = supervisor(dht, runners, plans=plans, state_source=source, alive=lambda: alive)
+    async with running(sup):
+        await wait_until(lambda: runners.made and runners.made[0].started.is_set(), 5, message="run")
+    assert [p for p, *_ in source.calls] == ["b", "a"]
+    assert sup.last_origin == {"2-3": "a"}
+    assert torch.equal(runners.made[0].initial_state.tensors["2.weight"], torch.full((2,), 102.0))
