@@ -38,6 +38,8 @@ from ravnest_p2p.transport.wire import decode_envelope
 from tests.security._wire_support import FRAME_LEN, close_all, open_raw
 from tests.security.test_wire_fuzz import hostile_message
 
+_CALL_TIMEOUT_S = 10.0  # one outsider call, stream open or drain
+
 
 @dataclass
 class AttackCounts:
@@ -118,14 +120,17 @@ async def _flood(
                 _, data = hostile_message(method, rng)
                 counts.sent += 1
                 try:
-                    reply = await outsider.call(
-                        target.peer_id,
-                        f"ravnest/{target.namespace}/{name}",
-                        data,
-                        stream=len(data) > (1 << 20),  # past the unary cap: the stream path refuses it
-                        max_response_bytes=1 << 20,
-                    )
-                except TransportError:
+                    # bounded: a call whose handler went away as the job ended was seen never to return
+                    # (the attack then outlived its 75 s budget in a default-suite run)
+                    async with asyncio.timeout(_CALL_TIMEOUT_S):
+                        reply = await outsider.call(
+                            target.peer_id,
+                            f"ravnest/{target.namespace}/{name}",
+                            data,
+                            stream=len(data) > (1 << 20),  # past the unary cap: the stream path refuses it
+                            max_response_bytes=1 << 20,
+                        )
+                except (TransportError, TimeoutError):
                     counts.note("no_reply")
                     continue
                 verdict = _verdict(bytes(reply))  # "junk_answered": e.g. a ping with a harmless body
@@ -219,10 +224,11 @@ async def slowloris(
             for i in range(streams_per_target):
                 name = "forward" if i % 2 == 0 and "forward" in target.methods else "probe_bandwidth"
                 try:
-                    _, writer = await open_raw(
-                        outsider, target.peer_id, f"ravnest/{target.namespace}/{name}/stream"
-                    )
-                except Exception:  # a refused stream is the point
+                    async with asyncio.timeout(_CALL_TIMEOUT_S):
+                        _, writer = await open_raw(
+                            outsider, target.peer_id, f"ravnest/{target.namespace}/{name}/stream"
+                        )
+                except Exception:  # a refused stream is the point (or one never opened)
                     counts.note("stream_refused")
                     counts.refused += 1
                     continue
@@ -235,8 +241,9 @@ async def slowloris(
             for writer in list(writers):
                 try:
                     writer.write(rng.randbytes(64))
-                    await writer.drain()
-                except (ConnectionError, OSError):
+                    async with asyncio.timeout(_CALL_TIMEOUT_S):
+                        await writer.drain()
+                except (ConnectionError, OSError, TimeoutError):
                     writers.remove(writer)  # closed by the peer's idle deadline or budget
                     counts.note("stream_closed")
                     counts.refused += 1
