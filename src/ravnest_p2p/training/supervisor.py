@@ -309,13 +309,12 @@ class JobSupervisor:
             and role.data_start > 0
             and progress is not None
             and self._never_trained(previous, progress)
-            and (held is None or held.state.meta is None or held.state.meta.num_steps == 0)
         ):
             # this peer ran a plan the others never agreed on (a split vote: it alone activated it)
-            # or whose pipeline never formed, and holds a state that never took a step: not the job's
-            # state (initial weights, as a newcomer nobody served), and that plan's other "holders"
-            # never ran it. Take the layers as a newcomer does, from their holders on the newest plan
-            # that trained (seen twice on a busy host: a joiner resumed layers from initial weights,
+            # or whose pipeline never formed: that plan's other "holders" never ran it (asking them
+            # left a joiner's layers at the initial weights), and what this peer holds may be initial
+            # weights too (a newcomer nobody served). Take the layers as a newcomer does, from their
+            # holders on the newest plan that trained (lab joins resumed layers from initial weights,
             # held-out loss 0.09 -> 0.76)
             logger.info(
                 "job %s: epoch %d never trained here (no progress of it): state as a newcomer's",
