@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
+from ravnest_p2p.training.progress import ProgressStore
 from ravnest_p2p.training.stage_state import entries_digest
 from ravnest_p2p.types import WireModel
 
@@ -172,18 +173,8 @@ def parse_announcement(value: Any, signer_peer_id: str) -> CheckpointAnnouncemen
     return announcement
 
 
-class _SignedStore(Protocol):
-    async def store_own(
-        self, name: str, value: Any, *, ttl_s: float, pin_to_initial_peers: bool = False
-    ) -> bool: ...
-
-    async def get_signed(
-        self, name: str, *, from_initial_peers: bool = False
-    ) -> dict[str, tuple[Any, float]]: ...
-
-
 async def announce_checkpoints(
-    dht: _SignedStore, announcement: CheckpointAnnouncement, *, ttl_s: float = 3600.0
+    dht: ProgressStore, announcement: CheckpointAnnouncement, *, ttl_s: float = 3600.0
 ) -> bool:
     """Store `announcement` under our own signed subkey of ``checkpoints``; True if a replica took it.
 
@@ -196,7 +187,9 @@ async def announce_checkpoints(
     )
 
 
-async def read_announcements(dht: _SignedStore, *, job_id: str | None = None) -> list[CheckpointAnnouncement]:
+async def read_announcements(
+    dht: ProgressStore, *, job_id: str | None = None
+) -> list[CheckpointAnnouncement]:
     """Valid announcements (of `job_id`), each signed by the peer it names; malformed ones are dropped."""
     out = []
     for signer, (value, _) in (await dht.get_signed(CHECKPOINTS_KEY, from_initial_peers=True)).items():

@@ -69,6 +69,20 @@ async def publish(dht: FakeDHT, job: JobSpec) -> FakeDHT:
     return owner
 
 
+async def trained_on_epoch_2() -> tuple[FakeDHT, FakeRunners, FakePlans]:
+    """Our DHT, runners and plans for job j, whose two clusters (first stages a and c) reached micro-batch
+    50 on plan epoch 2, which we never ran."""
+    dht, runners, plans = FakeDHT("me"), FakeRunners(), FakePlans()
+    await publish(dht, JOB)
+    for peer, cluster in (("a", 0), ("c", 1)):
+        await publish_progress(
+            dht.as_signer(peer),
+            JobProgress(job_id="j", peer_id=peer, epoch=2, cluster=cluster, micro_batches=50),
+        )
+    plans.active_workload = "j"
+    return dht, runners, plans
+
+
 def supervisor(dht: FakeDHT, runners: FakeRunners, *, plans: FakePlans | None = None, **kw: Any):
     states: list[PeerState] = []
     sup = JobSupervisor(
@@ -435,14 +449,7 @@ async def test_the_freshest_replica_is_remembered_when_its_first_stage_already_r
 
 
 async def test_a_peer_joining_mid_job_takes_its_layers_from_their_holder_on_the_previous_plan():
-    dht, runners, plans = FakeDHT("me"), FakeRunners(), FakePlans()
-    await publish(dht, JOB)
-    for peer, cluster in (("a", 0), ("c", 1)):
-        writer = dht.as_signer(peer)
-        await publish_progress(
-            writer, JobProgress(job_id="j", peer_id=peer, epoch=2, cluster=cluster, micro_batches=50)
-        )
-    plans.active_workload = "j"
+    dht, runners, plans = await trained_on_epoch_2()
     # the plan that adds us (epoch 3): we never ran the job, our cluster-mates hold other layers
     plans.active_plan = make_plan(3, [("a", 0, 2), ("b", 2, 3)], [("c", 0, 2), ("me", 2, 3)])
     source = FakeStateSource({"b": 200.0}, checkpoint_tag=700.0)
@@ -493,14 +500,7 @@ async def test_a_plan_only_this_peer_ran_is_not_a_source_its_layers_come_from_th
     it, it held initial weights that never took a step, and no cluster published progress on epoch 3.
     On epoch 4 it must not hand itself that state, nor ask epoch 3's "holders": its layers come from
     their holders on epoch 2 (a lab join resumed from initial weights that way: loss 0.09 -> 0.76)."""
-    dht, runners, plans = FakeDHT("me"), FakeRunners(), FakePlans()
-    await publish(dht, JOB)
-    for peer, cluster in (("a", 0), ("c", 1)):
-        writer = dht.as_signer(peer)
-        await publish_progress(
-            writer, JobProgress(job_id="j", peer_id=peer, epoch=2, cluster=cluster, micro_batches=50)
-        )
-    plans.active_workload = "j"
+    dht, runners, plans = await trained_on_epoch_2()
     plans.active_plan = make_plan(3, [("a", 0, 2), ("b", 2, 3)], [("c", 0, 2), ("me", 2, 3)])
     source = FakeStateSource({}, checkpoint_tag=None)  # nobody serves the joiner on epoch 3
     alive = {"me", "a", "b", "c"}
@@ -525,14 +525,7 @@ async def test_a_newcomer_asks_every_live_member_when_the_plans_holders_of_its_l
     """The plan's other holder of our layers (b) re-formed: on the earlier plan it held other layers and
     answers nothing. Another member (a, now on layers 0-2) held them there: it is asked next, before
     any checkpoint or the initial weights."""
-    dht, runners, plans = FakeDHT("me"), FakeRunners(), FakePlans()
-    await publish(dht, JOB)
-    for peer, cluster in (("a", 0), ("c", 1)):
-        writer = dht.as_signer(peer)
-        await publish_progress(
-            writer, JobProgress(job_id="j", peer_id=peer, epoch=2, cluster=cluster, micro_batches=50)
-        )
-    plans.active_workload = "j"
+    dht, runners, plans = await trained_on_epoch_2()
     plans.active_plan = make_plan(3, [("a", 0, 2), ("b", 2, 3)], [("c", 0, 2), ("me", 2, 3)])
     source = FakeStateSource({"a": 100.0}, checkpoint_tag=700.0)
     alive = {"me", "a", "b", "c"}
@@ -548,14 +541,7 @@ async def test_a_newcomer_asks_every_live_member_when_the_plans_holders_of_its_l
 async def test_an_answer_without_tensors_is_not_taken_while_another_holder_has_them():
     """b holds none of our layers on the earlier plan and answers an empty state: taking it left a
     joiner's layers at the initial weights (held-out loss 1.91 on the lab). a's tensors win."""
-    dht, runners, plans = FakeDHT("me"), FakeRunners(), FakePlans()
-    await publish(dht, JOB)
-    for peer, cluster in (("a", 0), ("c", 1)):
-        writer = dht.as_signer(peer)
-        await publish_progress(
-            writer, JobProgress(job_id="j", peer_id=peer, epoch=2, cluster=cluster, micro_batches=50)
-        )
-    plans.active_workload = "j"
+    dht, runners, plans = await trained_on_epoch_2()
     plans.active_plan = make_plan(3, [("a", 0, 2), ("b", 2, 3)], [("c", 0, 2), ("me", 2, 3)])
 
     class EmptyFromB(FakeStateSource):
