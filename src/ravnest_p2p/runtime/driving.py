@@ -87,10 +87,12 @@ class FirstStageDriver:
         while pending:
             peer = pending[0]
             try:
-                await self.rpc.call(
+                reply = await self.rpc.call(
                     peer, READY, ReadyRequest(epoch=self.epochs.for_peer(peer)), timeout_s=5.0
                 )
                 self.watch.heard(peer)
+                # ids the others took from an earlier run of this stage would be refused as replays
+                self._next_id = max(self._next_id, reply.message.next_micro_batch_id)
                 pending.pop(0)
                 continue
             except TransportError as exc:

@@ -109,7 +109,15 @@ class ReadyRequest(_Msg):
 
 
 class ReadyReply(_Msg):
+    """`next_micro_batch_id`: the lowest micro-batch id this stage takes as new (above every id it took).
+
+    A first stage that starts again on a plan where the rest of its cluster moved in place (e.g. it had
+    run out of data as the plan changed) numbers its micro-batches from the highest of these: the
+    others still hold the ids they took before, and refuse a repeat of one as a replay.
+    """
+
     stage: int = Field(ge=0)
+    next_micro_batch_id: int = Field(default=0, ge=0, le=2**61)
 
 
 # the first stage asks every other stage this before admitting micro-batches: peers pick up a job on

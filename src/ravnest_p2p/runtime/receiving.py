@@ -222,7 +222,7 @@ class StageHandlers:
 
     async def _on_ready(self, req: ReadyRequest, tensors: list[Tensor], ctx: CallContext) -> ReadyReply:
         self._check_epoch(req.epoch, ctx)
-        return ReadyReply(stage=self.index)
+        return ReadyReply(stage=self.index, next_micro_batch_id=min(self.ids.horizon + 1, 2**61))
 
     async def _on_finish(self, req: FinishRequest, tensors: list[Tensor], ctx: CallContext) -> Ack:
         if ctx.remote_peer_id != self.peers[0]:

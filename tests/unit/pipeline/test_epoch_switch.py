@@ -9,10 +9,13 @@ import pytest
 from ravnest_p2p.errors import RemoteError
 from ravnest_p2p.runtime.epochs import EpochSwitch
 from ravnest_p2p.runtime.messages import FORWARD, PING, ForwardRequest, PingRequest
+from ravnest_p2p.runtime.service import PipelineConfig, StageService
+from ravnest_p2p.training.local import even_split
+from ravnest_p2p.training.stages import build_stage, num_layers
 from ravnest_p2p.transport import FakeNetwork, RpcEndpoint
 from ravnest_p2p.utils import wait_until
 
-from .test_service_fake import batches, make_cluster
+from .test_service_fake import JOB, batches, make_cluster
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -128,3 +131,37 @@ async def test_outsiders_and_newer_epochs_are_refused_during_a_switch():
     finally:
         for s in services:
             await s.aclose()
+
+
+async def test_a_first_stage_that_starts_again_on_a_plan_the_others_moved_to_in_place_numbers_on():
+    # the first stage had run out of data as the plan changed, so it could not move in place: it runs
+    # again (a new service, ids from 0) beside the rest of its cluster, which moved in place and still
+    # holds the ids it took; READY tells the first stage where to number from, or every micro-batch
+    # would be refused as a replay (a lab run stalled so)
+    net = FakeNetwork()
+    services = await make_cluster(net, 3, window=3, heartbeat_period_s=0.05)
+    first, middle, last = services
+    again = None
+    try:
+        assert (await first.train(batches())).completed == 10
+        await first.aclose()
+        middle.move_to_epoch(4)
+        last.move_to_epoch(4)
+        again = StageService(
+            first.rpc,
+            build_stage(JOB, *even_split(num_layers(JOB), 3)[0], max_in_flight=3),
+            epoch=4,
+            cluster_peers=["p0", "p1", "p2"],
+            stage_index=0,
+            config=PipelineConfig(max_in_flight=3, send_attempts=1, send_timeout_s=1.0),
+        )
+        await again.start()
+        await again.wait_ready(timeout_s=5.0)
+        stats = await again.train(batches())
+        assert stats.completed == 10
+        assert middle.stats.refused == 0 and last.stats.refused == 0
+        assert last.executor.num_steps == 20
+    finally:
+        for s in (again, middle, last):
+            if s is not None:
+                await s.aclose()
