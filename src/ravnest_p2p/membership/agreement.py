@@ -186,6 +186,9 @@ class MembershipService:
         self.active_workload: str | None = None
         self._proposal: Plan | None = None
         self._proposal_workload = "default"
+        # the previous placements the proposal kept (`previous_placements`): not in the view digest
+        self._proposal_placements: list[PlacedStage] = []
+        self._computed_placements: list[PlacedStage] = []
         # what the workload needs of a peer (its plugins): peers whose records lack it are not planned
         self._serving: Serving | None = None
         # dead, silent or misbehaving peers left out of the view (`exclusions.py`)
@@ -354,6 +357,7 @@ class MembershipService:
         elif action == Action.TIMEOUT:
             await self._on_timeout(now)
         if self.tracker.phase == Phase.PROPOSED:
+            await self._repropose_if_placements_moved(now)
             await self._check_agreement()
         elif self.tracker.phase == Phase.ACTIVE and now - self._published_at > self.config.plan_ttl_s / 3:
             await self._publish(now)
@@ -361,6 +365,24 @@ class MembershipService:
     def probe_priority(self) -> frozenset[str]:
         """Peers whose links the current plan (active, else proposed) depends on: probe them first."""
         return plan_neighbours(self.active_plan or self._proposal, self.peer_id)
+
+    async def _repropose_if_placements_moved(self, now: float) -> None:
+        """Propose again, in the same epoch and agreement deadline, if what the plan keeps changed.
+
+        The placements the planner keeps come from the members' records, outside the view digest: a
+        member that proposed from a record read before a peer announced its placement proposes another
+        plan than the rest, and the epoch used to end split ("members disagree", a new epoch). The
+        disagreement makes it re-read the records (`_check_agreement`); this makes it propose from them.
+        Placements on plans of the current epoch are left out of the comparison (`previous_placements`),
+        so a member that activated first does not send the others back to proposing.
+        """
+        if self.previous_placements() == self._proposal_placements:
+            return
+        deadline_from = self.tracker.proposed_at
+        logger.info("placements changed under epoch %d's proposal: proposing again", self.tracker.epoch)
+        await self._propose(now)
+        if self.tracker.phase == Phase.PROPOSED:
+            self.tracker.proposed_at = deadline_from  # the agreement timeout still runs from the first
 
     def _plan_inputs(self) -> tuple[list[PeerCapacity], LinkMatrix | None]:
         live = self.view.live()
@@ -398,6 +420,7 @@ class MembershipService:
         )
         if (epoch, digest, workload) != (self.tracker.epoch, self.view.digest(), self.workload):
             raise _Stale()
+        self._computed_placements = previous
         return plan
 
     async def _publish(self, now: float) -> None:
@@ -424,6 +447,7 @@ class MembershipService:
             return  # we are not in our own view yet (record not announced): wait
         self._proposal = plan
         self._proposal_workload = self.workload
+        self._proposal_placements = self._computed_placements
         self.tracker.proposed(now, _plan_members(plan))
         await self._publish(now)
         logger.debug("proposed plan %s for epoch %d", plan.digest()[:12], plan.epoch)

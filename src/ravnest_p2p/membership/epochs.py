@@ -99,7 +99,7 @@ class EpochTracker:
     stable_count: int = 0
     _last_digest: str | None = None
     _last_change_at: float = 0.0
-    _proposed_at: float = 0.0
+    proposed_at: float = 0.0  # when the current proposal was made (the agreement timeout's start)
     _first_seen: dict[str, float] = field(default_factory=dict)
     _missing_since: dict[str, float] = field(default_factory=dict)
 
@@ -120,7 +120,7 @@ class EpochTracker:
             )
             return Action.PROPOSE if stable and live_ids else Action.NONE
         if self.phase == Phase.PROPOSED:
-            if now - self._proposed_at >= self.timing.agreement_timeout_s:
+            if now - self.proposed_at >= self.timing.agreement_timeout_s:
                 return Action.TIMEOUT
             return Action.NONE
         return self._active_tick(now, live_ids)
@@ -145,7 +145,7 @@ class EpochTracker:
         """The caller computed and published the plan naming ``members``."""
         self.phase = Phase.PROPOSED
         self.members = members
-        self._proposed_at = now
+        self.proposed_at = now
 
     def activated(self) -> None:
         """Every member published our digest."""

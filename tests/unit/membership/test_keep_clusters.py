@@ -136,3 +136,49 @@ def test_placements_from_other_workloads_or_this_epoch_are_ignored():
     live = {"QmTestPeera", "QmTestPeerb", "QmTestPeerc"}
     placed = previous_placements(records, live, workload="job", epoch=4)
     assert [p.peer_id for p in placed] == ["QmTestPeera"]
+
+
+class LaggingRecords:
+    """One member's directory: the records of before the placements were announced, until `fresh()`."""
+
+    def __init__(self, records, stale: dict[str, PeerRecord]) -> None:
+        self.records, self.stale, self.fresh = records, stale, lambda: False
+        self._held = dict(stale)
+
+    @property
+    def peers(self) -> dict[str, PeerRecord]:
+        return dict(self._held)
+
+    async def refresh(self) -> dict[str, PeerRecord]:
+        if self.fresh():
+            self._held = dict(self.records.all)
+        else:  # a stale replica: the old copies of the peers still there
+            self._held = {pid: rec for pid, rec in self.stale.items() if pid in self.records.all}
+        return dict(self._held)
+
+
+async def test_a_member_that_proposed_from_stale_placements_proposes_again_in_the_same_epoch():
+    # a lab join ended its epochs split ("members disagree on epoch N's plan", a new epoch each time):
+    # the placements the planner keeps are outside the view digest, so a member whose directory still
+    # held records from before the placements were announced proposed a plan of its own until timeout
+    swarm = Swarm()
+    for i in range(8):
+        await swarm.add(i)
+    before = dict(swarm.records.all)
+    first = await swarm.agree_past(-1)
+    laggard_id = sorted(swarm.services)[0]
+    laggard = swarm.services[laggard_id]
+    lagging = LaggingRecords(swarm.records, before)
+    laggard._records = lagging
+    # fresh again once it proposed epoch first + 1's plan from the old records
+    lagging.fresh = lambda: laggard.tracker.epoch > first.epoch and laggard.tracker.phase == "proposed"
+
+    # the kill of the first test: a plan from scratch keeps no cluster
+    victim = sorted(pid for c in first.clusters for pid in c.peer_ids)[4]
+    assert victim != laggard_id
+    swarm.kill(victim)
+    second = await swarm.agree_past(first.epoch)
+    assert second.epoch == first.epoch + 1  # agreed in the epoch the kill opened, not one split later
+    (other,) = (c for c in first.clusters if victim not in c.peer_ids)
+    kept = tuple((s.peer_id, s.first_layer, s.last_layer_exclusive) for s in other.stages)
+    assert kept in _shapes(second)

@@ -159,7 +159,8 @@ async def test_a_first_stage_that_starts_again_on_a_plan_the_others_moved_to_in_
         await again.wait_ready(timeout_s=5.0)
         stats = await again.train(batches())
         assert stats.completed == 10
-        assert middle.stats.refused == 0 and last.stats.refused == 0
+        assert middle.stats.refused == 0
+        assert last.stats.refused == 0
         assert last.executor.num_steps == 20
     finally:
         for s in (again, middle, last):
