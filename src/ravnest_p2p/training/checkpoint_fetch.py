@@ -45,6 +45,7 @@ from ravnest_p2p.training.checkpoint import (
     newest_covering,
     read_manifest,
 )
+from ravnest_p2p.training.checkpoint_announce import announce_checkpoints
 from ravnest_p2p.training.handover import (
     CheckpointRef,
     CorruptState,
@@ -54,6 +55,7 @@ from ravnest_p2p.training.handover import (
     list_state,
 )
 from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.progress import ProgressStore
 from ravnest_p2p.training.stage_state import (
     StageState,
     TensorEntry,
@@ -64,7 +66,7 @@ from ravnest_p2p.training.stage_state import (
 from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import run_in_compute_thread
 
-__all__ = ["CheckpointUnavailable", "fetch_from_checkpoints", "local_announcement"]
+__all__ = ["CheckpointUnavailable", "announce_disk", "fetch_from_checkpoints", "local_announcement"]
 
 logger = logging.getLogger(__name__)
 
@@ -237,3 +239,13 @@ def local_announcement(root: Path, job: JobSpec, peer_id: str) -> CheckpointAnno
         return None
     manifests.sort(key=lambda m: (m.step, m.first_layer, m.end_layer))
     return CheckpointAnnouncement.of(manifests[-_MAX_RECORDS:], peer_id=peer_id, updated_at=time.time())
+
+
+async def announce_disk(dht: ProgressStore, root: Path, job: JobSpec, peer_id: str) -> bool:
+    """Announce every checkpoint of `job` this peer's disk under `root` holds (`local_announcement`), each
+    layer range it ever wrote: an announcement replaces the peer's previous one, so announcing only the
+    current stage's range would hide the others. False if there is none or no replica took it."""
+    announcement = await run_in_compute_thread(local_announcement, root, job, peer_id)
+    if announcement is None:
+        return False
+    return await announce_checkpoints(dht, announcement)

@@ -27,10 +27,9 @@ from ravnest_p2p.training.checkpoint import (
     CheckpointConfig,
     CheckpointFileSource,
     CheckpointWriter,
-    announce_checkpoints,
     write_checkpoint_file,
 )
-from ravnest_p2p.training.checkpoint_fetch import local_announcement
+from ravnest_p2p.training.checkpoint_fetch import announce_disk
 from ravnest_p2p.training.handover import (
     ExecutorSource,
     HandoverError,
@@ -68,7 +67,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_DIR_ENV = "RAVNEST_CHECKPOINT_DIR"
-_ANNOUNCE_TTL_S = 3600.0
 
 Progress = Callable[[], Mapping[str, int | float | str]]
 
@@ -179,11 +177,7 @@ class StageStateHook:
         # peer's previous one, and the ranges it held on earlier plans must stay findable (a full restart
         # that lost them resumed one stage from an older step than the next)
         try:
-            announcement = await run_in_compute_thread(
-                local_announcement, writer.config.dir, self.job, self.rpc.peer_id
-            )
-            if announcement is not None:
-                await announce_checkpoints(self.dht, announcement, ttl_s=_ANNOUNCE_TTL_S)
+            await announce_disk(self.dht, writer.config.dir, self.job, self.rpc.peer_id)
         except Exception as exc:
             logger.info("checkpoint announcement failed: %r", exc)
 

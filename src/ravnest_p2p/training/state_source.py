@@ -33,13 +33,13 @@ from typing import Any
 from ravnest_p2p.training.checkpoint import (
     CheckpointAnnouncement,
     CheckpointError,
-    announce_checkpoints,
     complete_steps,
     job_digest,
     read_announcements,
 )
 from ravnest_p2p.training.checkpoint_fetch import (
     CheckpointUnavailable,
+    announce_disk,
     fetch_from_checkpoints,
     local_announcement,
 )
@@ -61,7 +61,6 @@ __all__ = ["HandoverStateSource"]
 
 logger = logging.getLogger(__name__)
 
-_ANNOUNCE_TTL_S = 3600.0
 _STEPS_TRIED = 3  # complete steps tried, newest first, before the layers start from the initial weights
 
 
@@ -134,9 +133,7 @@ class HandoverStateSource:
         complete step from different announcements resume from different steps."""
         if self.checkpoint_dir is None or self.dht is None:
             return
-        own = await run_in_compute_thread(local_announcement, self.checkpoint_dir, job, self.rpc.peer_id)
-        if own is not None:
-            await announce_checkpoints(self.dht, own, ttl_s=_ANNOUNCE_TTL_S)
+        await announce_disk(self.dht, self.checkpoint_dir, job, self.rpc.peer_id)
 
     async def share_checkpoints(self, job_id: str, peer_ids: frozenset[str]) -> None:
         if self.checkpoint_dir is None:
