@@ -97,9 +97,9 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             before = counters(args.ifaces)
             began = time.time()
             await client.publish_job(job)
-            final = await client.wait_for_job(job, timeout_s=args.timeout_s, poll_s=0.5)
+            snapshot = await client.wait_for_job(job, timeout_s=args.timeout_s, poll_s=0.5)
             ended = time.time()
-            final = await all_done(client, job, len(args.workers), final)
+            final = await all_done(client, job, len(args.workers), list(snapshot))
             results.append(
                 {
                     "run": name,
