@@ -46,16 +46,12 @@ from ravnest_p2p.training.progress import (
     read_progress,
 )
 from ravnest_p2p.training.resume import (
-    CheckpointQuery,
     HeldState,
-    Segment,
     StateSource,
-    freshest_first,
-    gather_state,
-    state_sources,
 )
 from ravnest_p2p.training.role import StageRole, role_for
 from ravnest_p2p.training.stage_state import StageState
+from ravnest_p2p.training.state_choice import StateChoice
 from ravnest_p2p.training.supervisor_seams import (
     PlanSource,
     RunnerFactory,
@@ -159,6 +155,7 @@ class JobSupervisor:
         self._idle = asyncio.Event()
         self._idle.set()
         self._tasks = TaskOwner(f"supervisor-{peer_id[-6:]}")
+        self._choice = StateChoice(peer_id, state_source, alive, config.replica_tie_micro_batches)
 
     # ----- the loop --------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -299,104 +296,14 @@ class JobSupervisor:
     async def _starting_state(
         self, job: JobSpec, role: StageRole, progress: ProgressView | None
     ) -> StageState | None:
-        held = self._held.get(role.job_id)
-        previous = self._previous.get(role.job_id)
-        if previous is None and role.data_start > 0 and progress is not None:
-            return await self._state_for_a_newcomer(job, role, progress)
-        if (
-            previous is not None
-            and previous.epoch != role.epoch
-            and role.data_start > 0
-            and progress is not None
-            and self._never_trained(previous, progress)
-        ):
-            # this peer ran a plan the others never agreed on (a split vote: it alone activated it)
-            # or whose pipeline never formed: that plan's other "holders" never ran it (asking them
-            # left a joiner's layers at the initial weights), and what this peer holds may be initial
-            # weights too (a newcomer nobody served). Take the layers as a newcomer does, from their
-            # holders on the newest plan that trained (lab joins resumed layers from initial weights,
-            # held-out loss 0.09 -> 0.76)
-            logger.info(
-                "job %s: epoch %d never trained here (no progress of it): state as a newcomer's",
-                role.job_id,
-                previous.epoch,
-            )
-            return await self._state_for_a_newcomer(job, role, progress)
-        if previous is None or previous.epoch == role.epoch:
-            # the job's first plan here, or a retry on the same plan (nothing moved)
-            return (
-                held.state
-                if held is not None and previous is not None and role.same_stage(previous)
-                else None
-            )
-        allowed = previous.plan_peers
-        alive = set(self.alive()) if self.alive is not None else set(allowed)
-        positions = dict(self._positions.get(role.job_id, {}))
-        for key, position in (progress.positions if progress is not None else {}).items():
-            positions[key] = max(positions.get(key, 0), position)
-        order = freshest_first(
-            positions,
-            epoch=previous.epoch,
-            num_clusters=previous.num_clusters,
-            prefer=role.cluster_index,
-            tie_micro_batches=self.config.replica_tie_micro_batches,
-        )
-        segments = state_sources(previous.assignment, role, alive=alive, cluster_order=order)
-        state, self.last_origin = await gather_state(
+        state, self.last_origin = await self._choice.starting_state(
+            job,
             role,
-            segments,
-            held=held,
-            source=self.state_source,
-            allowed=allowed,
-            previous_epoch=previous.epoch,
-            checkpoints=CheckpointQuery.of(job, role, allowed),
+            progress,
+            held=self._held.get(role.job_id),
+            previous=self._previous.get(role.job_id),
+            positions=self._positions.get(role.job_id, {}),
         )
-        logger.info("job %s: stage state from %s", role.job_id, self.last_origin)
-        return state
-
-    def _never_trained(self, previous: StageRole, progress: ProgressView) -> bool:
-        """No cluster published progress on `previous`'s epoch (as read now or while it ran), while an
-        earlier epoch did: the job's state lives on that earlier plan's holders, not here."""
-        seen = set(progress.positions) | set(self._positions.get(previous.job_id, {}))
-        epochs = {epoch for epoch, _ in seen}
-        return previous.epoch not in epochs and any(epoch < previous.epoch for epoch in epochs)
-
-    async def _state_for_a_newcomer(
-        self, job: JobSpec, role: StageRole, progress: ProgressView
-    ) -> StageState | None:
-        """State for a peer that never ran this job here although the job already trained.
-
-        It joined mid-job or restarted: ask the plan's other holders of its layers (the only peers asked)
-        for them as they held them on the newest earlier plan, then the newest checkpoint; else the
-        layers start from the initial weights.
-        """
-        earlier = [epoch for epoch, _ in progress.positions if epoch < role.epoch]
-        previous_epoch = max(earlier, default=role.epoch)
-        allowed = role.plan_peers - {self.peer_id}
-        alive = set(self.alive()) if self.alive is not None else set(allowed)
-        # by cluster index, as every peer ranks replicas within `replica_tie_micro_batches` of each other
-        order = list(range(len(role.assignment)))
-        segments = state_sources(role.assignment, role, alive=alive, cluster_order=order)
-        # then every other live member: the plan's holders of these layers may have held others on the
-        # earlier plan (their cluster re-formed), while a member now on other layers held these (a lab
-        # join restarted layers from the initial weights that way); a peer without them answers empty
-        others = sorted((alive & role.plan_peers) - {self.peer_id})
-        segments = [
-            Segment(
-                s.first_layer, s.end_layer, (*s.candidates, *(p for p in others if p not in s.candidates))
-            )
-            for s in segments
-        ]
-        state, self.last_origin = await gather_state(
-            role,
-            segments,
-            held=None,
-            source=self.state_source,
-            allowed=allowed,
-            previous_epoch=previous_epoch,
-            checkpoints=CheckpointQuery.of(job, role, allowed),
-        )
-        logger.info("job %s: newcomer's stage state from %s", role.job_id, self.last_origin)
         return state
 
     async def _run(self, job: JobSpec, owner: str, role: StageRole, progress: ProgressView | None) -> None:
