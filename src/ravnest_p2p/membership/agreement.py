@@ -189,6 +189,9 @@ class MembershipService:
         # the previous placements the proposal kept (`previous_placements`): not in the view digest
         self._proposal_placements: list[PlacedStage] = []
         self._computed_placements: list[PlacedStage] = []
+        # the placements seen while planning (epoch, workload): `previous_placements`
+        self._placements_for: tuple[int, str] | None = None
+        self._placements_seen: dict[str, PlacedStage] = {}
         # what the workload needs of a peer (its plugins): peers whose records lack it are not planned
         self._serving: Serving | None = None
         # dead, silent or misbehaving peers left out of the view (`exclusions.py`)
@@ -373,8 +376,8 @@ class MembershipService:
         member that proposed from a record read before a peer announced its placement proposes another
         plan than the rest, and the epoch used to end split ("members disagree", a new epoch). The
         disagreement makes it re-read the records (`_check_agreement`); this makes it propose from them.
-        Placements on plans of the current epoch are left out of the comparison (`previous_placements`),
-        so a member that activated first does not send the others back to proposing.
+        A member that activated first and re-announced keeps, here, the placement it had before
+        (`previous_placements`), so it does not send the others back to proposing.
         """
         if self.previous_placements() == self._proposal_placements:
             return
@@ -393,9 +396,18 @@ class MembershipService:
         """What the plan of this epoch keeps: the live peers' placements (`membership.placements`)."""
         if not self.config.keep_clusters:
             return []
-        return previous_placements(
-            self._records.peers, self.view.live_ids(), workload=self.workload, epoch=self.tracker.epoch
-        )
+        epoch, live, records = self.tracker.epoch, self.view.live_ids(), self._records.peers
+        current = previous_placements(records, live, workload=self.workload, epoch=epoch)
+        if self._placements_for != (epoch, self.workload):
+            self._placements_for, self._placements_seen = (epoch, self.workload), {}
+        seen = self._placements_seen
+        seen.update((p.peer_id, p) for p in current)
+        # a member that activated this epoch's plan re-announces its new place, which this epoch's
+        # planning leaves out; the place it had before still counts here (a lab kill's epoch split when
+        # the members still proposing lost those placements and proposed another plan)
+        moved_on = {pid for pid in live if pid in records and records[pid].epoch >= epoch}
+        keep = {p.peer_id for p in current} | (moved_on & set(seen))
+        return [seen[pid] for pid in sorted(keep)]
 
     def compute_plan(self) -> Plan:
         """The plan of the current view and epoch (live peers sorted by id; pure)."""

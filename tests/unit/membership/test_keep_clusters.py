@@ -182,3 +182,44 @@ async def test_a_member_that_proposed_from_stale_placements_proposes_again_in_th
     (other,) = (c for c in first.clusters if victim not in c.peer_ids)
     kept = tuple((s.peer_id, s.first_layer, s.last_layer_exclusive) for s in other.stages)
     assert kept in _shapes(second)
+
+
+async def test_members_that_activate_first_and_re_announce_do_not_split_the_epoch():
+    # a lab kill: the first members to activate epoch E's plan re-announced their new places at once,
+    # which E's planning leaves out; the members still proposing lost those placements, proposed again
+    # with a plan that kept nothing, and the epoch ended split (20 s, past the 30 s resume goal)
+    swarm = Swarm()
+    for i in range(8):
+        await swarm.add(i)
+    first = await swarm.agree_past(-1)
+    victim = sorted(pid for c in first.clusters for pid in c.peer_ids)[4]
+    swarm.kill(victim)
+
+    def announce_if_active(pid: str) -> None:  # what the node does as soon as its plan changes
+        service = swarm.services[pid]
+        if service.active_plan is not None and service.active_plan.epoch > first.epoch:
+            epoch, cluster, stage = service.position()
+            rec = swarm.records.all[pid]
+            if rec.epoch != epoch:
+                swarm.records.all[pid] = rec.model_copy(
+                    update={
+                        "epoch": epoch,
+                        "cluster": cluster,
+                        "stage": stage,
+                        "placement": service.placement(),
+                        "updated_at": rec.updated_at + 1,
+                    }
+                )
+
+    for _ in range(60):
+        swarm.clock.now += 1.0
+        for pid, service in swarm.services.items():
+            await service.step()
+            announce_if_active(pid)
+        if agreed(swarm.services) and swarm.plan().epoch > first.epoch:
+            break
+    second = swarm.plan()
+    assert agreed(swarm.services)
+    assert second.epoch == first.epoch + 1
+    (other,) = (c for c in first.clusters if victim not in c.peer_ids)
+    assert tuple((s.peer_id, s.first_layer, s.last_layer_exclusive) for s in other.stages) in _shapes(second)
