@@ -29,6 +29,7 @@ from ravnest_p2p.planning.memory import layer_memory_bytes
 from ravnest_p2p.planning.mode_layout import ModeLayout, ist_layout, sync_backup_layout
 from ravnest_p2p.strategies.ist import ScaleRule, deal_hidden_units, extract_subnetwork, hidden_sizes
 from ravnest_p2p.training.job import JobSpec, StagePlacement
+from ravnest_p2p.training.memory_fit import StageDoesNotFit
 from ravnest_p2p.training.modes import TrainingMode
 from ravnest_p2p.training.placement import (
     capacities_from_records,
@@ -38,7 +39,7 @@ from ravnest_p2p.training.placement import (
 )
 from ravnest_p2p.types import LayerProfile
 
-__all__ = ["WorkerNeed", "mode_layout", "place_mode_job", "worker_need"]
+__all__ = ["WorkerNeed", "check_worker_fits", "mode_layout", "place_mode_job", "worker_need"]
 
 WorkerNeed = tuple[
     int, float, float
@@ -79,6 +80,21 @@ def worker_need(job: JobSpec) -> WorkerNeed:
         flops = job.batch_size * job.ist.local_steps * sum(layer.flops_per_sample for layer in sub)
         return need, flops, 2.0 * _trainable_bytes(sub)
     raise ValueError(f"job {job.job_id}: mode {job.mode.value} has no worker layout (it plans clusters)")
+
+
+def check_worker_fits(job: JobSpec, available_bytes: int) -> int:
+    """Raise `StageDoesNotFit` unless one worker of the job's mode fits `available_bytes`; return the need.
+
+    A peer's own guard before it builds a worker (the client's layout already used the same figure, so
+    it fails only on a hand-written assignment or when the peer's memory changed).
+    """
+    need, _, _ = worker_need(job)
+    if need > available_bytes:
+        raise StageDoesNotFit(
+            f"a {job.mode.value} worker of job {job.job_id} needs {need / 2**30:.2f} GiB (x1.1 headroom in) "
+            f"but this peer has {available_bytes / 2**30:.2f} GiB under its cap"
+        )
+    return need
 
 
 def mode_layout(records: Sequence[PeerRecord], job: JobSpec) -> ModeLayout:

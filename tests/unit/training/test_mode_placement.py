@@ -5,12 +5,15 @@ from __future__ import annotations
 import pytest
 
 from ravnest_p2p.discovery.records import SCHEMA_VERSION, PeerRecord
+from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.models import count_layers
 from ravnest_p2p.planning.mode_layout import WorkerDoesNotFit
 from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.training.job import JobSpec
-from ravnest_p2p.training.mode_placement import place_mode_job, worker_need
+from ravnest_p2p.training.mode_placement import check_worker_fits, place_mode_job, worker_need
+from ravnest_p2p.training.mode_runner import UnsupportedModeRunner, start_mode_runner
 from ravnest_p2p.training.modes import IstConfig, SyncBackupConfig
+from ravnest_p2p.training.role import role_for
 
 MLP = {"in_features": 64, "hidden_features": [64], "out_features": 10}
 WIDE = {"in_features": 64, "hidden_features": [256, 256], "out_features": 10}
@@ -91,3 +94,16 @@ def test_an_ist_worker_needs_its_replica_plus_a_share_of_the_wide_layers() -> No
     placed = place_mode_job(records, ist_job(2))
     assert placed.assignment is not None
     assert [c[0].peer_id for c in placed.assignment] == [pid("z"), pid("y")]
+
+
+async def test_a_peer_refuses_a_worker_it_cannot_hold_before_building_it() -> None:
+    records = [record(p, gflops=1, memory_bytes=2**30) for p in "ab"]
+    job = place_mode_job(records, sync_job(num_required=2))
+    role = role_for(job, None, pid("a"), num_train_samples=100)
+    assert role is not None
+    need = check_worker_fits(job, 2**30)
+    # the rpc is never touched: the worker is refused before it is built
+    runner = start_mode_runner(None, None, job, role, None, memory_available_bytes=need - 1)  # type: ignore[arg-type]
+    assert isinstance(runner, UnsupportedModeRunner)
+    with pytest.raises(RavnestError, match=r"a sync_backup worker of job sb needs .* GiB"):
+        await runner.run()
