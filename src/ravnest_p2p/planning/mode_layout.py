@@ -22,7 +22,8 @@ Rule (pure, deterministic, over the peers' measured figures):
 
 Alternatives rejected. Running the pipeline planner and reading its clusters: it packs layers by memory
 and stage time and makes multi-stage clusters where one peer would hold the model. Ranking by FLOP/s
-alone: on the lab the link, not the compute, set the step time of a worker on a slow link.
+alone: a worker on a slow link delivers its gradient late every step whatever its FLOP/s (on the lab
+a shard owner's link set the step's exchange time, `strategies.sync_layout`).
 
 Known limits. A worker is always one peer: when no peer can hold a worker the layout fails with
 `WorkerDoesNotFit` (use mode ``pipeline``, whose clusters split the model over peers). A worker that is
