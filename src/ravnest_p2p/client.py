@@ -23,7 +23,9 @@ from ravnest_p2p.training.handover import HandoverServer, StaticSource
 from ravnest_p2p.training.job import InitCheckpoint, JobSpec
 from ravnest_p2p.training.jobs import JOB_KEY, read_job, read_job_signed
 from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics, member_metrics, plan_members
+from ravnest_p2p.training.mode_placement import place_mode_job
 from ravnest_p2p.training.model_checkpoint import assemble_checkpoint
+from ravnest_p2p.training.modes import TrainingMode
 from ravnest_p2p.training.placement import plan_assignment
 from ravnest_p2p.training.progress import JobProgress, ProgressView, publish_progress, read_progress
 from ravnest_p2p.training.run_keys import run_keys
@@ -85,6 +87,7 @@ class RunClient:
         self.dht = dht
         self._directory = PeerDirectory(dht, dht.transport, dial_new_peers=True)
         self._closed = False
+        self._placed: dict[str, JobSpec] = {}  # job id -> the job as published with its mode layout
 
     @classmethod
     def connect(
@@ -156,7 +159,17 @@ class RunClient:
         use_links: bool = True,
     ) -> JobSpec:
         """The job with an explicit assignment computed by the planner over `records`, with the link
-        matrix their records report (`use_links=False`: each peer's own up/down figures only)."""
+        matrix their records report (`use_links=False`: each peer's own up/down figures only).
+
+        ``sync_backup`` and ``ist`` jobs get their workers from `training.mode_placement` instead (one
+        peer per worker, fastest first; `min_stages` and `use_links` do not apply).
+
+        Raises:
+            planning.InfeasiblePlan: the job cannot be laid out on these peers (for the two modes,
+                `planning.mode_layout.WorkerDoesNotFit` when no peer holds one worker).
+        """
+        if job.mode != TrainingMode.PIPELINE:
+            return place_mode_job(records, job)
         assignment = plan_assignment(records, job, min_stages=min_stages, use_links=use_links)
         return job.model_copy(update={"assignment": assignment})
 
@@ -168,8 +181,10 @@ class RunClient:
         assert peer_id is not None  # a client always has its own transport
         return peer_id
 
-    async def publish_job(self, job: JobSpec, *, ttl_s: float = 3600.0) -> None:
-        """Publish `job`. With an assignment it runs there; without, on the peers' agreed plan.
+    async def publish_job(self, job: JobSpec, *, ttl_s: float = 3600.0) -> JobSpec:
+        """Publish `job`. With an assignment it runs there; without, on the peers' agreed plan; a
+        ``sync_backup`` or ``ist`` job without one first gets its layout over the live peers (`plan`).
+        Returns the job as published (`wait_for_job` finds the layout given either form).
 
         Peers of an owned run train it only if this client is the owner or a key the owner lists. The
         job's model and data set must be known here too (a plugin: install it on this machine as well);
@@ -177,15 +192,27 @@ class RunClient:
 
         Raises:
             ValueError: unknown model or data set, or a config that does not validate.
+            planning.InfeasiblePlan: a mode job that the live peers cannot hold (see `plan`).
         `ttl_s` may not exceed the ``job`` key's maximum (one day): republish to run longer.
         """
         check_job(job)  # its model and data set exist (built-in or installed plugin), configs validate
         max_ttl_s = self.dht.max_ttl_s(JOB_KEY)
         if max_ttl_s is not None and ttl_s > max_ttl_s:
             raise ValueError(f"a job's ttl_s is at most {max_ttl_s:.0f} s (got {ttl_s:.0f})")
+        if job.mode != TrainingMode.PIPELINE and job.assignment is None:
+            records = await self.peers()
+            job = await run_in_compute_thread(place_mode_job, records, job)  # builds and profiles the model
+            self._placed[job.job_id] = job
+            logger.info(
+                "job %s: %s workers %s",
+                job.job_id,
+                job.mode.value,
+                [cluster[0].peer_id for cluster in job.assignment or ()],
+            )
         # pinned at the initial peers too: the job must outlive a restart of every peer that held it
         if not await self.dht.store_own(JOB_KEY, job.to_wire(), ttl_s=ttl_s, pin_to_initial_peers=True):
             raise RavnestError("no DHT peer accepted the job")
+        return job
 
     async def publish_owners(self, keys: Sequence[str], *, ttl_s: float = 86400.0) -> None:
         """As the run's owner, let the peer ids `keys` publish jobs too, for `ttl_s` (at most 7 days).
@@ -257,6 +284,8 @@ class RunClient:
 
     async def _poll_job(self, job: JobSpec) -> tuple[list[StageMetrics], bool]:
         """(metrics to show, done) of one poll of `job` (raises `RavnestError` if the job failed)."""
+        if job.mode != TrainingMode.PIPELINE and job.assignment is None:
+            job = await self._as_published(job)
         if job.assignment is not None:
             # an explicit assignment: a fixed set of clusters on epoch 0
             current = newest_epoch(await self.member_metrics(job, await self.metrics(job_id=job.job_id)))
@@ -280,6 +309,15 @@ class RunClient:
         # a stopped job is done once its clusters have finished (they publish done within seconds)
         records = await self.peers()
         return newest_epoch(metrics), current_plan_done(metrics, records)
+
+    async def _as_published(self, job: JobSpec) -> JobSpec:
+        """A mode job as published with its layout (`publish_job` filled it), or `job` if not found."""
+        placed = self._placed.get(job.job_id)
+        if placed is None:
+            published = await read_job(self.dht)
+            if published is not None and published.job_id == job.job_id and published.assignment is not None:
+                placed = self._placed[job.job_id] = published
+        return placed or job
 
     async def wait_for_job(
         self,

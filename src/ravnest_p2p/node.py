@@ -283,11 +283,13 @@ class Peer:
 
     def _start_runner(self, job: JobSpec, role: StageRole, state: StageState | None) -> StageRun:
         report = self.membership.report_misbehaviour if self.membership is not None else None
-        runner = start_mode_runner(self.rpc, self.dht, job, role, state, on_exclude=report)
+        available = self._free_memory_bytes() if self.config.max_memory_gb is not None else None
+        runner = start_mode_runner(
+            self.rpc, self.dht, job, role, state, on_exclude=report, memory_available_bytes=available
+        )
         if isinstance(runner, StageRunner):
             runner.checkpoint_dir = self.config.checkpoint_dir
-            if self.config.max_memory_gb is not None:
-                runner.memory_available_bytes = self._free_memory_bytes()
+            runner.memory_available_bytes = available
         return runner
 
     def _serve_state_to(self, job_id: str, epoch: int, peer_ids: frozenset[str]) -> None:

@@ -16,7 +16,9 @@ from ravnest_p2p.discovery import RunDHT
 from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.training.ist_runner import IstRunner
 from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.memory_fit import StageDoesNotFit
 from ravnest_p2p.training.metrics import StageMetrics
+from ravnest_p2p.training.mode_placement import check_worker_fits
 from ravnest_p2p.training.modes import TrainingMode
 from ravnest_p2p.training.progress import ProgressStore
 from ravnest_p2p.training.resume import HeldState
@@ -52,8 +54,19 @@ def start_mode_runner(
     *,
     on_exclude: Callable[[str, str], None] | None = None,
     on_metrics: Callable[[StageMetrics], None] | None = None,
+    memory_available_bytes: int | None = None,
 ) -> StageRun:
-    """The runner of `role` for the job's mode (the node's `RunnerFactory`)."""
+    """The runner of `role` for the job's mode (the node's `RunnerFactory`).
+
+    `memory_available_bytes` (the peer's cap minus its overhead; None: unchecked): a ``sync_backup`` or
+    ``ist`` worker that does not fit it is refused before its model is built, with the reason as the
+    run's failure (`training.mode_placement.check_worker_fits`); a pipeline stage checks its own.
+    """
+    if job.mode != TrainingMode.PIPELINE and memory_available_bytes is not None:
+        try:
+            check_worker_fits(job, memory_available_bytes)
+        except StageDoesNotFit as exc:
+            return UnsupportedModeRunner(job, str(exc))
     if job.mode == TrainingMode.SYNC_BACKUP:
         return SyncBackupRunner(rpc, dht, job, role, on_metrics=on_metrics)
     if job.mode == TrainingMode.IST:
