@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -81,7 +82,12 @@ def build_parser() -> OneLineArgumentParser:
         help="do not accept incoming connections (DHT client only)",
     )
     p.add_argument("--config", metavar="FILE", help="TOML file with any PeerConfig field; flags override it")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--log-level",
+        default=os.environ.get("RAVNEST_LOG_LEVEL", "INFO").upper(),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="default: $RAVNEST_LOG_LEVEL, else INFO (the variable reaches peers a test or the lab starts)",
+    )
     return p
 
 

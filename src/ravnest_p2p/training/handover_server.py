@@ -224,9 +224,28 @@ class HandoverServer:
         assert epoch is not None
         return epoch, published
 
+    @staticmethod
+    def _newest_with(candidates: Sequence[tuple[int, _Published]], first: int, end: int) -> int | None:
+        """The first (newest) epoch whose source holds some of layers [first, end) (compute thread)."""
+        for epoch, published in candidates:
+            if any(first <= layer_of(n) < end for n in published.source.tensors()):
+                return epoch
+        return None
+
     async def _handle(
         self, request: FetchStateRequest, _tensors: list[Tensor], context: CallContext
     ) -> FetchStateResponse | tuple[FetchStateResponse, list[Tensor]]:
+        if request.epoch is None and request.layers is not None and request.checkpoint is None:
+            # "your newest state of these layers": a split vote can leave a plan some holders never ran
+            by_epoch = self._sources.get(request.job_id, {})
+            mine = [
+                (e, p)
+                for e, p in sorted(by_epoch.items(), reverse=True)
+                if context.remote_peer_id in p.allowed
+            ]
+            newest = await run_in_compute_thread(self._newest_with, mine, *request.layers)
+            if newest is not None:
+                request = request.model_copy(update={"epoch": newest})
         epoch, published = self._find(request, context.remote_peer_id)
         if request.read:
             if request.names or request.layers is not None:

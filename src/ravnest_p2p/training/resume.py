@@ -98,12 +98,13 @@ class StateSource(Protocol):
         peer_id: str,
         *,
         job_id: str,
-        epoch: int,
+        epoch: int | None,
         first_layer: int,
         end_layer: int,
         allowed: frozenset[str],
     ) -> StageState | None:
-        """State of layers [first_layer, end_layer) that `peer_id` held on plan `epoch` (None: none).
+        """State of layers [first_layer, end_layer) that `peer_id` held on plan `epoch` (None: none;
+        `epoch` None: the newest plan on which it serves some of those layers).
 
         `allowed` is the previous plan's membership; an implementation refuses any other peer.
         """
@@ -267,6 +268,14 @@ async def gather_state(
                 origin[span] = peer_id
                 break
         else:
+            # nobody answered for the previous plan (a split vote leaves a plan some holders never ran):
+            # the newest state the same holders serve of these layers, before an older checkpoint (a lab
+            # kill restarted layers from the initial weights while their holder still trained them)
+            newest = await _newest_from(role, segment, source=source, allowed=allowed)
+            if newest is not None:
+                parts.append(newest[1])
+                origin[span] = f"{newest[0]} (newest)"
+                continue
             found = None
             if source is not None and checkpoints is not None:
                 try:
@@ -294,6 +303,35 @@ async def gather_state(
     except StateMismatch as exc:  # two sources disagree on a shared name: trust none of them
         logger.warning("job %s: sources disagree (%s); initial weights", role.job_id, exc)
         return None, {span: "initial weights" for span in origin}
+
+
+async def _newest_from(
+    role: StageRole, segment: Segment, *, source: StateSource | None, allowed: frozenset[str]
+) -> tuple[str, StageState] | None:
+    """(peer, its newest state of the segment's layers, on any plan) from the first candidate that has
+    tensors of them; None if none does."""
+    if source is None:
+        return None
+    span = f"{segment.first_layer}-{segment.end_layer}"
+    for peer_id in segment.candidates:
+        if peer_id == role.peer_id or peer_id not in allowed:
+            continue
+        try:
+            found = await source.fetch(
+                peer_id,
+                job_id=role.job_id,
+                epoch=None,
+                first_layer=segment.first_layer,
+                end_layer=segment.end_layer,
+                allowed=allowed,
+            )
+        except Exception as exc:
+            logger.info("newest state of layers %s from %s failed: %r", span, peer_id, exc)
+            continue
+        part = _slice(found, segment)
+        if part is not None and part.tensors:
+            return peer_id, part
+    return None
 
 
 def _slice(state: StageState | None, segment: Segment) -> StageState | None:

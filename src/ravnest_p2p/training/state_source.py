@@ -101,7 +101,7 @@ class HandoverStateSource:
         peer_id: str,
         *,
         job_id: str,
-        epoch: int,
+        epoch: int | None,
         first_layer: int,
         end_layer: int,
         allowed: frozenset[str],
@@ -120,7 +120,7 @@ class HandoverStateSource:
                 )
             except (StateChanged, HandoverRefused) as exc:
                 if isinstance(exc, HandoverRefused) and exc.code == "no_state":
-                    logger.debug("%s holds no state of job %s at epoch %d", peer_id, job_id, epoch)
+                    logger.debug("%s holds no state of job %s at epoch %s", peer_id, job_id, epoch)
                     return None  # it never ran that plan here (e.g. restarted): asking again won't help
                 logger.debug("state of %s not fetched (attempt %d): %r", peer_id, attempt + 1, exc)
                 await asyncio.sleep(min(0.5 * (attempt + 1), 2.0))  # it is about to see the new plan

@@ -144,11 +144,19 @@ class FakeRunners:
 class FakeStateSource:
     """Answers hand-over fetches from a table {peer: tag}; records every call."""
 
-    def __init__(self, tags: dict[str, float], *, checkpoint_tag: float | None = None) -> None:
+    def __init__(
+        self,
+        tags: dict[str, float],
+        *,
+        checkpoint_tag: float | None = None,
+        held_epochs: dict[str, set[int]] | None = None,
+    ) -> None:
         self.tags = tags
+        # {peer: plan epochs it served}; a peer not named serves every epoch; `epoch` None: its newest
+        self.held_epochs = held_epochs or {}
         self.checkpoint_tag = checkpoint_tag
         self.calls: list[tuple[str, int, int, frozenset[str]]] = []
-        self.epochs: list[int] = []
+        self.epochs: list[int | None] = []
         self.checkpoint_calls: list[tuple[int, int]] = []
         self.checkpoint_queries: list[Any] = []
         self.shared: list[tuple[str, frozenset[str]]] = []
@@ -165,7 +173,7 @@ class FakeStateSource:
         peer_id: str,
         *,
         job_id: str,
-        epoch: int,
+        epoch: int | None,
         first_layer: int,
         end_layer: int,
         allowed: frozenset[str],
@@ -173,6 +181,8 @@ class FakeStateSource:
         self.calls.append((peer_id, first_layer, end_layer, allowed))
         self.epochs.append(epoch)
         if peer_id not in self.tags:
+            return None
+        if epoch is not None and epoch not in self.held_epochs.get(peer_id, {epoch}):
             return None
         return layer_state(self.tags[peer_id], first_layer, end_layer)
 

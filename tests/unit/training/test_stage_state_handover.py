@@ -163,3 +163,22 @@ async def test_a_stage_starts_from_a_served_checkpoint_only_if_it_is_the_one_the
     with pytest.raises(HandoverError, match="not the one"):
         await init_from_checkpoint(peer_rpc, job.model_copy(update={"init_checkpoint": bad}), other)
     assert_bit_equal(before, union_state([other]))
+
+
+async def test_asked_for_its_newest_state_of_some_layers_an_owner_serves_the_newest_plan_holding_them():
+    # a split vote can leave a plan some holders never ran: asked for "the newest", an owner serves the
+    # newest plan on which it holds those layers, not its newest plan (which may hold other layers)
+    job = resnet_job()
+    network = FakeNetwork()
+    old, other = build_split(job, [(0, 2), (2, 5)])
+    owner = RpcEndpoint(network.create("owner"), "run")
+    server = HandoverServer.of(owner)
+    await server.start()
+    server.publish(job.job_id, ExecutorSource(old), epoch=2, allowed={"new"})
+    server.publish(job.job_id, ExecutorSource(other), epoch=4, allowed={"new"})
+    client = RpcEndpoint(network.create("new"), "run")
+    state = await fetch_state(client, "owner", job.job_id, layers=(0, 2))
+    assert state.tensors
+    assert set(state.tensors) == set(union_state([old]))
+    with pytest.raises(HandoverRefused):  # asked for that plan, it says it has no such state there
+        await fetch_state(client, "owner", job.job_id, layers=(0, 2), epoch=3)

@@ -27,7 +27,7 @@ from ravnest_p2p.training.supervisor import JobSupervisor, SupervisorConfig
 from ravnest_p2p.types import PeerState
 from ravnest_p2p.utils import wait_until
 
-from ._fakes import FakeDHT, FakePlans, FakeRunners, FakeStateSource, make_plan
+from ._fakes import FakeDHT, FakePlans, FakeRunners, FakeStateSource, layer_state, make_plan
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -257,6 +257,33 @@ async def test_an_unchanged_stage_resumes_its_whole_state_and_lost_layers_fall_b
     )
     assert state is None
     assert origin == {"1-3": "initial weights"}
+
+
+async def test_layers_whose_holders_never_ran_the_previous_plan_come_from_their_newest_state():
+    # a lab kill's split vote: epoch 3's holder of layers [1, 3) never activated epoch 3 (it still
+    # trained them on epoch 2); asked for epoch 3 it has nothing, asked for its newest it has them, which
+    # beats an older checkpoint and the initial weights (0.06 -> 0.29 held-out loss on that lab run)
+    source = FakeStateSource({"b": 2.0}, checkpoint_tag=7.0, held_epochs={"b": {2}})
+    role = role_for(JOB, make_plan(4, [("me", 0, 1), ("c", 1, 3)]), "c", num_train_samples=204)
+    assert role is not None
+    previous = assignment_from_plan(make_plan(3, [("me", 0, 1), ("b", 1, 3)]))
+    segments = state_sources(previous, role, alive={"me", "b"})
+    assert segments == [Segment(1, 3, ("b",))]
+    allowed = frozenset({"me", "b"})
+    state, origin = await gather_state(
+        role,
+        segments,
+        held=None,
+        source=source,
+        allowed=allowed,
+        previous_epoch=3,
+        checkpoints=CheckpointQuery.of(JOB, role, allowed),
+    )
+    assert origin == {"1-3": "b (newest)"}
+    assert source.epochs == [3, None]
+    assert source.checkpoint_calls == []
+    assert state is not None
+    assert torch.equal(state.tensors["2.weight"], layer_state(2.0, 1, 3).tensors["2.weight"])
 
 
 def test_sources_prefer_our_copy_then_the_same_cluster_then_replicas_and_skip_the_dead():
