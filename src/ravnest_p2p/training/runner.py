@@ -41,7 +41,7 @@ from ravnest_p2p.training.stage_hook import StageStateHook, attach_stage_state
 from ravnest_p2p.training.stage_state import StageState, capture_state
 from ravnest_p2p.training.stages import build_stage, label_spec, load_dataset
 from ravnest_p2p.transport.rpc import RpcEndpoint
-from ravnest_p2p.utils import TaskOwner
+from ravnest_p2p.utils import TaskOwner, load_stretch
 from ravnest_p2p.utils.aio import run_in_compute_thread
 
 __all__ = [
@@ -65,6 +65,7 @@ _HANDOVER_PROGRESS_S = 3.0
 # a first stage's progress also goes to the initial peers this often (and at the end or a hand-over): the
 # copy a full restart reads when every peer that held the record restarted (`publish_progress`)
 _PIN_PROGRESS_S = 30.0
+_START_TIMEOUT_S = 60.0  # from the stage's build to serving (stretched on a busy host)
 
 Placement = StageRole  # the old name of a stage's place in a job
 
@@ -353,8 +354,18 @@ class StageRunner(InPlaceMoves):
         if role.shard_map is not None:
             self.replicas = await self._start_replicas(role.shard_map, self._final_optimizer_step(role))
         service.on_step = self._replica_step
-        self.state_hook = await attach_stage_state(self, service)  # serves its state; checkpoints
-        await service.start()
+        try:
+            # registering handlers with the p2p daemon has no deadline of its own: two ring-fault runs
+            # under load sat silent here for minutes after a re-plan, so bound it and say where
+            async with asyncio.timeout(_START_TIMEOUT_S * load_stretch()):
+                self.state_hook = await attach_stage_state(self, service)  # serves its state; checkpoints
+                await service.start()
+        except TimeoutError:
+            raise RavnestError(
+                f"stage {role.stage_index} did not start serving within {_START_TIMEOUT_S:.0f}s "
+                "(handler registration with the p2p daemon)"
+            ) from None
+        logger.info("stage %d serves epoch %d", role.stage_index, role.epoch)
         self._started = time.monotonic()
         self._tasks.spawn(self._metrics_loop(), name="metrics")
         cancelled = False
@@ -411,6 +422,7 @@ class StageRunner(InPlaceMoves):
     async def _drive(self, service: StageService) -> None:
         job = self.job
         await service.wait_ready(timeout_s=self.ready_timeout_s)
+        logger.info("stage 0: the cluster's %d stages serve epoch %d", self.role.num_stages, self.role.epoch)
         role = self.role  # a move to a new plan in place may have come meanwhile
         train, held_out = self._data()
         self._batches = cluster_batches(
