@@ -32,16 +32,17 @@ from ravnest_p2p.swarm import LocalSwarm, PeerProcess
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import StageMetrics
 from ravnest_p2p.training.replicas import FINAL_ROUND
-from ravnest_p2p.utils import wait_until
+from ravnest_p2p.utils import load_stretch, wait_until
 from tests.e2e._config import FAST_MEMBERSHIP_PEER_CONFIG, PINNED_COMPUTE
 
 # slow-marked (make test-slow) on 2026-11-24: it failed 3 of about 8 runs that day on real product faults
-# it exists to catch — a stall when the kill lands as the surviving first stage ran out of data (its
-# in-place move is refused, it restarts with micro-batch ids from 0 and its downstream, moved in place,
-# refuses them as replays), a split vote on epoch 1, and once a first stage ending 21 steps short —
-# documented as open in the README ("What survives what") and in issue 11's notes; back in the default
-# suite once those are fixed
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+# it exists to catch — a stall when the kill lands as the surviving first stage ran out of data (fixed:
+# READY tells a restarted first stage where to number micro-batches from), a split vote on epoch 1 (two
+# causes fixed in membership.agreement), and once a first stage ending 21 steps short (not explained).
+# Session 10 ran it 13 times: 8 passed; the 5 failures were all the job's budget running out at host loads
+# of 13-27 (training went on, slowly: no stall), hence the job budget below stretches with the load.
+# Back in the default suite once it passes repeatedly beside the busy-loop `make test` runs.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 RUN_ID = "ringfault"
 PERIOD_STEPS = 8
@@ -214,7 +215,8 @@ async def test_sigkill_a_ring_member_mid_round(tmp_path: Path):
 
             await wait_for(replanned, 90, what="a re-plan without the victim")
             replanned_after_s = time.monotonic() - killed_at
-            final = await client.wait_for_job(job, timeout_s=200, poll_s=1.0)
+            # 640 micro-batches take ~100 s on a quiet host; stretched by the load (at most 6x)
+            final = await client.wait_for_job(job, timeout_s=200 * load_stretch(), poll_s=1.0)
         summary = [(m.epoch, m.cluster, m.stage, m.step) for m in final]
         print(f"round {round_index}: partner {result}; re-planned after {replanned_after_s:.1f}s; {summary}")
         assert final[0].epoch > epoch
