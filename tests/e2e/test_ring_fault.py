@@ -39,7 +39,7 @@ from tests.e2e._config import FAST_MEMBERSHIP_PEER_CONFIG, PINNED_COMPUTE
 # it exists to catch — a stall when the kill lands as the surviving first stage ran out of data (fixed:
 # READY tells a restarted first stage where to number micro-batches from), a split vote on epoch 1 (two
 # causes fixed in membership.agreement), and once a first stage ending 21 steps short (not explained).
-# Session 10 ran it 13 times: the 4 failures were all the job's 200 s budget running out at host loads
+# Session 10 ran it 13 times: the 5 failures were all the job's 200 s budget running out at host loads
 # of 13-27 (training went on, slowly: no stall), hence the job budget below stretches with the load.
 # Back in the default suite once it passes repeatedly beside the busy-loop `make test` runs.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
