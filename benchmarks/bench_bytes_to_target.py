@@ -19,12 +19,14 @@ its bytes include that round. Analysis and plots: `bytes_target_report.py`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_utilisation import _participation
 from benchmarks.bytes_target_report import curve, write_results
 from benchmarks.lab_training import run_jobs
 from ravnest_p2p.runtime.optim import OptimizerConfig
@@ -88,11 +90,16 @@ DEFAULT_ORDER = [
 ]
 
 
-def measure(steps: int, eval_every: int, order: list[str], prefix: str) -> list[dict[str, Any]]:
-    """Run every mode of `order` in one lab; per run its curve (`bytes_target_report.curve`)."""
+def measure(
+    steps: int, eval_every: int, order: list[str], prefix: str, keep: str | None = None
+) -> list[dict[str, Any]]:
+    """Run every mode of `order` in one lab; per run its curve (`bytes_target_report.curve`) and, from
+    the peers' logs, the periodic rounds in which all replicas averaged (`bench_utilisation`'s count)."""
     job = _job(steps, eval_every)
     loads = [os.getloadavg()[0]]
-    with tempfile.TemporaryDirectory(prefix="ravnest-bytes4-") as tmp:
+    kept = None if keep is None else tempfile.mkdtemp(prefix="ravnest-bytes4-", dir=keep)
+    workdir = contextlib.nullcontext(kept) if kept else tempfile.TemporaryDirectory(prefix="ravnest-bytes4-")
+    with workdir as tmp:
         results = run_jobs(
             num_peers=NUM_CLUSTERS,
             link_mbps=LINK_MBPS,
@@ -106,10 +113,13 @@ def measure(steps: int, eval_every: int, order: list[str], prefix: str) -> list[
             prefix=prefix,
             trace=True,
         )
+        full = _participation(Path(tmp))
     loads.append(os.getloadavg()[0])
-    return [{"mode": m, **curve(r, eval_every)} for m, r in zip(order, results, strict=True)] + [
-        {"loads": loads}
-    ]
+    rows = []
+    for mode, result in zip(order, results, strict=True):
+        all_in, started = full.get(result["metrics"][0]["job_id"], (0, 0))
+        rows.append({"mode": mode, **curve(result, eval_every), "rounds_all_replicas": f"{all_in}/{started}"})
+    return [*rows, {"loads": loads}]
 
 
 def main() -> None:
@@ -117,13 +127,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1500, help="micro-batches per cluster (token budget)")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--order", default=",".join(DEFAULT_ORDER))
+    parser.add_argument("--keep", help="keep the peers' logs in a new directory under this one")
     parser.add_argument("--name", default="bytes_to_target", help="results file stem")
     args, _ = parser.parse_known_args()
     if os.geteuid() != 0:
         print("bench_bytes_to_target needs root (network namespaces); skipped", flush=True)
         return
     started = time.monotonic()
-    rows = measure(args.steps, args.eval_every, args.order.split(","), "bytes4" + os.urandom(1).hex())
+    rows = measure(
+        args.steps, args.eval_every, args.order.split(","), "bytes4" + os.urandom(1).hex(), args.keep
+    )
     loads = rows.pop()["loads"]
     config = {
         "steps": args.steps,

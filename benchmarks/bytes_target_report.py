@@ -95,6 +95,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "final_val_loss": round(r["final_loss"], 4),
                 "final_vs_every_step": round(r["final_loss"] / target, 4),
                 "rounds": r["rounds"],
+                "rounds_all_replicas": r.get("rounds_all_replicas"),
                 "final_mb_per_peer": round(r["final_bytes_per_peer"] / 1e6, 3),
                 "mb_to_target": None if sent is None else round(sent / 1e6, 4),
                 "step_to_target": None if hit is None else hit["step"],
@@ -148,6 +149,9 @@ def write_results(rows: list[dict[str, Any]], config: dict[str, Any], *, name: s
         "point (after the closing fp32 round) counts that round's bytes. x_vs_a_round_every_step: against "
         "every step's mean bytes per round x the steps it took to the target (a computed figure: on the lab "
         "a round takes longer than a step, so 'every step' starts the next round when the last one ends). "
+        "rounds: the fewest finished rounds of a peer (closing round included); rounds_all_replicas: "
+        "peer-rounds (closing excluded) in which all 4 replicas averaged, of those started (peers' logs). "
+        "A round's bytes include its failed attempts' (a ring retries without a member that fell behind). "
         "Loads: the host's 1-minute load "
         f"average sampled by the driver during each run; at start / end {config['load_1min_start_end']}. "
         f"Took {config['took_s']} s."
