@@ -119,7 +119,9 @@ def _plot(rows: list[dict[str, Any]], target: float, path: Path, title: str) -> 
     fig, (by_bytes, by_wall) = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, r in enumerate(rows):
         pts = r["points"]
-        style = {"color": f"C{i % 10}", "marker": ".", "label": r["mode"]}
+        style: dict[str, Any] = {"color": f"C{i % 10}", "marker": ".", "label": r["mode"]}
+        if r["mode"].startswith("every step"):
+            style.update(color="black" if r["mode"] == "every step" else "grey", linestyle="--")
         by_bytes.plot([max(p["bytes_per_peer"], 1e3) for p in pts], [p["loss"] for p in pts], **style)
         by_wall.plot([p["wall_s"] for p in pts], [p["loss"] for p in pts], **style)
     for ax in (by_bytes, by_wall):
@@ -164,3 +166,22 @@ def write_results(rows: list[dict[str, Any]], config: dict[str, Any], *, name: s
     title = f"{config['clusters']} clusters at {config['link_mbps']:g} Mbit/s, {config['model']}"
     _plot(rows, target, json_path.with_suffix(".png"), title)
     print(json.dumps(summary, indent=1), flush=True)
+
+
+def main() -> None:
+    """Write `<name>.{md,png}` again from `<name>.json` (its stored runs and config)."""
+    import sys
+
+    from benchmarks.harness import RESULTS_DIR
+
+    name = sys.argv[1] if len(sys.argv) > 1 else "bytes_to_target"
+    path = RESULTS_DIR / f"{name}.json"
+    payload = json.loads(path.read_text())
+    write_results(payload["runs"], payload["config"], name=name)
+    again = json.loads(path.read_text())
+    again["machine"] = payload["machine"]  # the run's machine facts and time, not this rewrite's
+    path.write_text(json.dumps(again, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
