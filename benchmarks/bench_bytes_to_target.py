@@ -68,6 +68,9 @@ MODES: dict[str, dict[str, Any]] = {
     "every step": {"averaging_period_steps": 1, "outer_optimizer": None},
     # the same job again at the end: how far the target itself moves from run to run
     "every step (repeat)": {"averaging_period_steps": 1, "outer_optimizer": None},
+    # rounds on the clock: floor(time / 1 s) is the same round index at every replica (period 1 by step
+    # starts each round at the step a peer is free at, and the peers' indices rarely meet)
+    "every 1 s (clock)": {"averaging_period_steps": 0, "averaging_period_s": 1.0, "outer_optimizer": None},
     f"periodic {PERIODIC}": {"averaging_period_steps": PERIODIC, "outer_optimizer": None},
     **{
         f"outer H={h}" + ("" if codec == "none" else f" {codec}"): _outer(h, codec)

@@ -64,3 +64,6 @@ def test_bytes_to_target_are_the_first_evaluation_at_or_below_every_steps_final_
     # every step's 2000 B per round x the 100 steps it needed, against 100 B
     assert rows["outer H=10"]["x_vs_a_round_every_step"] == 2000.0
     assert rows["outer H=10"]["final_vs_every_step"] == pytest.approx(1.45 / 1.5, abs=1e-4)
+    # within 2 %: every step is within 1.02 x 1.5 = 1.53 only at its end, periodic at its end too
+    assert rows["outer H=10"]["mb_to_2pct"] == pytest.approx(0.0001)
+    assert rows["outer H=10"]["x_vs_every_step_2pct"] == 80.0
