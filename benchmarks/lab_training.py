@@ -37,11 +37,13 @@ def run_jobs(
     run_id: str = "labtrain",
     prefix: str | None = None,
     updates: Sequence[dict[str, Any]] | None = None,
+    trace: bool = False,
 ) -> list[dict[str, Any]]:
     """Start the lab, train `runs` (`pipeline_driver --runs`) on clusters of len(split) peers; tear down.
 
     `prefix`: the lab's namespace prefix (at most 8 characters; default "rvl" + 4 random hex digits);
-    `updates`: per run, JobSpec fields to set (`pipeline_driver --updates`).
+    `updates`: per run, JobSpec fields to set (`pipeline_driver --updates`); `trace`: every run's result
+    also holds every metrics poll (`pipeline_driver --trace`).
     """
     peers = [
         {"name": f"s{i}", "upload_mbps": link_mbps, "download_mbps": link_mbps} for i in range(num_peers)
@@ -86,6 +88,7 @@ def run_jobs(
             argv += ["--timeout-s", str(timeout_s), "--runs", *runs]
             if updates is not None:
                 argv += ["--updates", json.dumps(list(updates))]
+            argv += ["--trace"] if trace else []
             driver = lab.run_in_ns(num_peers, argv, log_path=workdir / "driver.log", cwd=str(REPO))
             poll_until(lambda: driver.poll() is not None, timeout_s + 120, what="the driver", interval_s=1)
             if driver.returncode != 0:

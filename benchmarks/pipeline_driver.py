@@ -7,11 +7,39 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
+import os
+import time
 from pathlib import Path
 
 from ravnest_p2p.client import RunClient
 from ravnest_p2p.training.job import JobSpec, StagePlacement
+from ravnest_p2p.training.metrics import StageMetrics
+
+
+def _trace_row(snapshot: list[StageMetrics], started: float) -> dict:
+    """One poll's metrics, compact: per stage (cluster, stage, step, eval loss, averaging bytes, wall)."""
+    return {
+        "t": round(time.monotonic() - started, 2),
+        "load": os.getloadavg()[0],
+        "stages": [
+            [
+                m.cluster,
+                m.stage,
+                m.step,
+                m.eval_loss,
+                m.averaging_bytes_sent,
+                m.averaging_rounds,
+                m.train_wall_s,
+            ]
+            for m in snapshot
+        ],
+    }
+
+
+def _trace_into(trace: list[dict], started: float, snapshot: list[StageMetrics]) -> None:
+    trace.append(_trace_row(snapshot, started))
 
 
 async def run(args: argparse.Namespace) -> list[dict]:
@@ -49,13 +77,19 @@ async def run(args: argparse.Namespace) -> list[dict]:
                 extra = json.loads(args.updates)[index]
                 job = JobSpec.model_validate({**job.model_dump(), **extra, "job_id": f"{job.job_id}-{index}"})
             await client.publish_job(job)
-            final = await client.wait_for_job(job, timeout_s=args.timeout_s, poll_s=1.0)
+            trace: list[dict] = []
+            started = time.monotonic()
+            on_progress = functools.partial(_trace_into, trace, started) if args.trace else None
+            final = await client.wait_for_job(
+                job, timeout_s=args.timeout_s, poll_s=0.5 if args.trace else 1.0, on_progress=on_progress
+            )
             results.append(
                 {
                     "schedule": schedule,
                     "window": window,
                     "averaging_period_steps": period,
                     "metrics": [m.model_dump(mode="json") for m in final],
+                    **({"trace": trace} if args.trace else {}),
                 }
             )
     return results
@@ -75,6 +109,9 @@ def main() -> None:
         help="schedule:window[:averaging period], e.g. async_1f1b:7 async_1f1b:auto gpipe:7",
     )
     parser.add_argument("--updates", help="JSON list, per run: JobSpec fields to set (validated)")
+    parser.add_argument(
+        "--trace", action="store_true", help="keep every poll's metrics (step, eval loss, averaging bytes)"
+    )
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
