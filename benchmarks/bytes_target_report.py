@@ -107,13 +107,17 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "step_to_target": None if hit is None else hit["step"],
                 "wall_s_to_target": None if hit is None else round(hit["wall_s"], 1),
                 "wall_s": round(r["wall_s"], 1),
-                "x_vs_every_step": _ratio(base and base["bytes_per_peer"], sent),
-                "x_vs_periodic": _ratio(periodic and periodic["bytes_per_peer"], sent),
+                "x_vs_every_step": _ratio(base["bytes_per_peer"] if base else None, sent),
+                "x_vs_periodic": _ratio(periodic["bytes_per_peer"] if periodic else None, sent),
                 "x_vs_a_round_every_step": _ratio(ideal, sent),
                 "mb_to_2pct": None if close_sent is None else round(close_sent / 1e6, 4),
                 "wall_s_to_2pct": None if close is None else round(close["wall_s"], 1),
-                "x_vs_every_step_2pct": _ratio(near_base and near_base["bytes_per_peer"], close_sent),
-                "x_vs_periodic_2pct": _ratio(near_periodic and near_periodic["bytes_per_peer"], close_sent),
+                "x_vs_every_step_2pct": _ratio(
+                    near_base["bytes_per_peer"] if near_base else None, close_sent
+                ),
+                "x_vs_periodic_2pct": _ratio(
+                    near_periodic["bytes_per_peer"] if near_periodic else None, close_sent
+                ),
                 "load_1min": None if r["load_1min"] is None else round(r["load_1min"], 1),
             }
         )
