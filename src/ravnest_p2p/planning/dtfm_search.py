@@ -116,6 +116,8 @@ class SearchConfig:
         start_temperature: first annealing cycle's start, as a fraction of the calibrated temperature
             (None: 1 on networks with twins, 0.2 on noisy ones).
         reheat: later cycles' start, as that fraction (None: 0.3 with twins, 0.02 on noisy networks).
+        target_cost: also stop once a placement costs at most this (e.g. a known optimum or a
+            benchmark's best-known value: the time to reach it is then ``best_found_cpu_s``).
     """
 
     cpu_budget_s: float = 60.0
@@ -130,6 +132,7 @@ class SearchConfig:
     tsp_exact_limit: int = EXACT_TSP_LIMIT
     start_temperature: float | None = None
     reheat: float | None = None
+    target_cost: float | None = None
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,8 @@ def hybrid_search(
     def out_of_time() -> bool:
         now = clock() - started
         stalled = config.stall_s is not None and now - best_found >= config.stall_s
-        return now >= config.cpu_budget_s or stalled
+        reached = config.target_cost is not None and best_cost <= config.target_cost
+        return now >= config.cpu_budget_s or stalled or reached
 
     def note(score: tuple[float, float]) -> None:
         nonlocal best_cost, best_found
