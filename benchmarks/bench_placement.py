@@ -78,13 +78,17 @@ def build_matrices(scenario: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     return latency, bandwidth
 
 
-def run_public(seeds: Sequence[int], budget_s: float, stall_s: float) -> list[dict[str, Any]]:
+def run_public(
+    seeds: Sequence[int], budget_s: float, stall_s: float, only: Sequence[str] = ()
+) -> list[dict[str, Any]]:
     networks = _load("networks.json")
     known = _load("placement_best_known.json")
     w = networks["workload"]
     workload = Workload(w["num_stages"], w["num_replicas"], w["c_dp_bytes"], w["c_pp_bytes"])
     rows: list[dict[str, Any]] = []
     for name, scenario in networks["scenarios"].items():
+        if only and name not in only:
+            continue
         model = CostModel(*build_matrices(scenario), workload)
         best_known = float(known["best_known"][name])
         rng = np.random.default_rng(12345)
@@ -118,6 +122,7 @@ def run_public(seeds: Sequence[int], budget_s: float, stall_s: float) -> list[di
                         "cost_s": result.cost,
                         "ratio": result.cost / best_known,
                         "time_to_best_cpu_s": result.best_found_cpu_s,
+                        "load_1min": round(os.getloadavg()[0], 1),
                         "cpu_s": cpu_s,
                         "cycles": result.generations,
                         "proposals": result.evaluations,
@@ -290,7 +295,7 @@ def main(
     settings = {"seeds": seeds, "budget_cpu_s": budget, "public_stall_cpu_s": stall_s,
                 "commit": commit.stdout.strip(), "plain": plain}  # fmt: skip
     if parts in ("all", "public"):
-        _save_part("public", run_public(seeds, budget, stall_s), {}, settings)
+        _save_part("public", run_public(seeds, budget, stall_s, only), {}, settings)
     if parts in ("all", "hard"):
         rows, curves = run_hard(seeds, budget, plain=plain, only=only)
         _save_part("hard", rows, curves, settings)
@@ -304,6 +309,6 @@ if __name__ == "__main__":
     parser.add_argument("--parts", choices=("all", "public", "hard", "none"), default="all")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-plain", action="store_true", help="hard part: ours only (keep old plain rows)")
-    parser.add_argument("--only", nargs="*", default=(), help="hard part: these case names only")
+    parser.add_argument("--only", nargs="*", default=(), help="these scenario / case names only")
     args = parser.parse_args()
     main(args.quick, args.seeds, args.budget_s, args.parts, plain=not args.no_plain, only=args.only)
