@@ -18,7 +18,11 @@ Full run (what the issue asks)::
     PYTHONPATH=src:. nice -n 19 python -m benchmarks.bench_placement --seeds 0 1 2 --budget-s 60
 
 Each part is saved under ``results/placement_parts/`` and ``placement.{json,md}`` merge the parts that
-exist, so the two parts can run as separate processes (``--parts public`` / ``--parts hard``).
+exist, so the two parts can run as separate processes (``--parts public`` / ``--parts hard``). A run
+replaces only the rows (case, method, seed) it repeats: ``--only NAME...`` limits it to some scenarios
+or cases, ``--no-plain`` skips the plain annealer (its earlier rows and curves stay). Public runs stop
+once within 0.1% of the best-known value (``SearchConfig.target_cost``): the time to reach it is the
+row's ``time_to_best_cpu_s``.
 """
 
 from __future__ import annotations
