@@ -199,3 +199,14 @@ def test_propose_below_rejects_only_swaps_above_the_ceiling() -> None:
         if full.energy <= ceiling:
             state.apply(full)
     assert screened > 0
+
+
+def test_search_stops_at_the_target_cost() -> None:
+    model = _noisy_model(9, 4, 3)
+    config = SearchConfig(cpu_budget_s=1e9, max_generations=3, anneal_moves=20, target_cost=float("inf"))
+    result = hybrid_search(model, config, clock=lambda: 0.0)
+    assert result.generations == 0  # the first start already meets the target
+    unreached = hybrid_search(
+        model, SearchConfig(**{**config.__dict__, "target_cost": 0.0}), clock=lambda: 0.0
+    )
+    assert unreached.generations == 3
