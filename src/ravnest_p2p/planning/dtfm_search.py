@@ -68,6 +68,11 @@ Ours is within 1.05x of the references (best found by anything), not the 1.02x w
 Since then a swap proposal costs 0.55 / 0.95 / 1.05 ms on the 8x8 / 8x16 / 16x8 hard cases against
 1.06 / 2.65 / 2.32 ms before (`benchmarks/bench_placement_swaps.py`, both trees at once, load ~40).
 
+Session 10 (commit 1ad1a4b, 60 s CPU, seeds 0-2, load 8-30): the five public scenarios (now with
+DT-FM's world-wide one) reach the best-known cost on every seed with the structure-aware starts;
+without them 14 of 15 runs do (0.3-31 CPU s), and ``regional`` seed 2 stays at 1.10x from 1.1 s on
+(no move out of that layout at the reheat temperatures). Hard cases: `docs/planning-placement.md`.
+
 Known limits. No optimality proof. Above ``tsp_exact_limit`` groups the in-loop pipeline cost is a
 local-search upper bound (the reported cost is exact). With the default time-sliced schedule a result
 depends on how many proposals the CPU budget allows; pass ``anneal_moves`` (and ``max_generations``)
