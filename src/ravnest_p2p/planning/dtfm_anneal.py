@@ -121,8 +121,25 @@ class SwapState:
         discount = sum(gain[order[i], order[i + 1]] for i in range(len(order) - 1))
         return cost + _DP_MEAN_WEIGHT * float(dp.mean()) - float(discount)
 
+    def propose_below(self, u: int, v: int, ceiling: float) -> _Proposal | None:
+        """`propose`, or None when the swap's energy is certainly above ``ceiling`` (path not solved).
+
+        Without the matching slope and with the exact path, once the changed pipeline edges are known
+        the new path can be shorter than the current one by at most the four largest drops among
+        them (a path has at most two edges at each of the two changed groups); when even that lower
+        bound puts the energy above ``ceiling`` the swap is rejected without the Held-Karp path.
+        Same decisions as comparing ``propose(u, v).energy`` with ``ceiling`` (a relative margin of
+        1e-9 sends borderline swaps to the exact path).
+        """
+        return self._propose(u, v, ceiling)
+
     def propose(self, u: int, v: int) -> _Proposal:
         """Costs after swapping devices ``u`` and ``v`` (in different groups); the state is unchanged."""
+        proposal = self._propose(u, v, None)
+        assert proposal is not None
+        return proposal
+
+    def _propose(self, u: int, v: int, ceiling: float | None) -> _Proposal | None:
         a, b = int(self.group_of[u]), int(self.group_of[v])
         if a == b:
             raise ValueError("a swap needs devices of two different groups")
@@ -142,6 +159,14 @@ class SwapState:
         h, s = self._edge(group_a, group_b)
         hard[a, b] = hard[b, a] = h
         gain[a, b] = gain[b, a] = s
+        if ceiling is not None and not self.soft and len(self.groups) <= self.exact_limit:
+            drops = np.concatenate([self.hard[a] - hard[a], self.hard[b] - hard[b]])
+            drops[len(self.groups) + a] = 0.0  # the a-b edge, counted once
+            largest = np.partition(drops, len(drops) - 4)[-4:] if len(drops) > 4 else drops
+            floor = self.pp - float(np.clip(largest, 0.0, None).sum())
+            floor += float(dp.max()) + _DP_MEAN_WEIGHT * float(dp.mean())
+            if floor > ceiling + 1e-9 * max(1.0, abs(ceiling)):
+                return None
         pp, order = shortest_path(hard, self.order, self.exact_limit)
         cost = float(dp.max()) + pp
         return _Proposal(
@@ -273,8 +298,8 @@ def anneal(
         done += 1
         temperature = start_temperature * ratio**fraction
         threshold = -temperature * math.log(max(rng.random(), 1e-300))
-        proposal = state.propose(*pick)
-        if proposal.energy - state.energy <= threshold:
+        proposal = state.propose_below(*pick, state.energy + threshold)
+        if proposal is not None and proposal.energy - state.energy <= threshold:
             state.apply(proposal)
             if state.cost < best_cost - 1e-12 * max(1.0, best_cost):
                 best_cost, best = state.cost, state.placement()

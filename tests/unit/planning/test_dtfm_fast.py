@@ -176,3 +176,37 @@ def test_site_move_is_undone_when_rejected_and_consistent_when_accepted() -> Non
         _site_move(state, sites, rng, threshold=np.inf)
         model.check(state.placement())
         assert state.cost == model.cost(state.placement())
+
+
+def test_propose_below_rejects_only_swaps_above_the_ceiling() -> None:
+    model = _noisy_model(4, 6, 3)
+    rng = np.random.default_rng(4)
+    state = SwapState(model, random_placement(model.workload, rng), soft=False)
+    n = model.num_devices
+    screened = 0
+    for _ in range(200):
+        u, v = (int(x) for x in rng.integers(n, size=2))
+        if state.group_of[u] == state.group_of[v]:
+            continue
+        full = state.propose(u, v)
+        ceiling = state.energy + float(rng.exponential(0.05 * state.energy))
+        below = state.propose_below(u, v, ceiling)
+        if below is None:
+            screened += 1
+            assert full.energy > ceiling
+        else:
+            assert (below.cost, below.energy, below.order) == (full.cost, full.energy, full.order)
+        if full.energy <= ceiling:
+            state.apply(full)
+    assert screened > 0
+
+
+def test_search_stops_at_the_target_cost() -> None:
+    model = _noisy_model(9, 4, 3)
+    config = SearchConfig(cpu_budget_s=1e9, max_generations=3, anneal_moves=20, target_cost=float("inf"))
+    result = hybrid_search(model, config, clock=lambda: 0.0)
+    assert result.generations == 0  # the first start already meets the target
+    unreached = hybrid_search(
+        model, SearchConfig(**{**config.__dict__, "target_cost": 0.0}), clock=lambda: 0.0
+    )
+    assert unreached.generations == 3
