@@ -157,7 +157,13 @@ async def test_a_strangers_flood_of_pushes_does_not_stop_the_job(hostile) -> Non
     assert all(r.step == r.final_step for r in runners)
     for runner in runners:
         if runner.owners.owned:
-            assert runner.owners.ledger.is_excluded("stranger") or sent < _MISBEHAVIOUR_THRESHOLD
+            # each owner counts the pushes that reached it (the flood is split over the owners, and
+            # pushes before it serves or after it closed never do): at the threshold, it excluded the
+            # stranger (a loaded host once sent 21 in all, ~10 per owner, and the old check compared 21)
+            ledger = runner.owners.ledger
+            assert ledger.is_excluded("stranger") or ledger.refused["stranger"] < _MISBEHAVIOUR_THRESHOLD
+    # the flood reached the owners and was counted there
+    assert sum(r.owners.ledger.refused["stranger"] for r in runners if r.owners.owned) > 0
 
 
 def test_a_workers_check_refuses_a_malformed_reply_and_keeps_its_parameters(hostile) -> None:
