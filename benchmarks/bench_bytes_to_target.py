@@ -19,9 +19,7 @@ its bytes include that round. Analysis and plots: `bytes_target_report.py`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ from typing import Any
 from benchmarks.bench_utilisation import _participation
 from benchmarks.bytes_target_report import curve, write_results
 from benchmarks.lab_training import run_jobs
+from benchmarks.labrun import run_dir
 from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.training.job import JobSpec
 
@@ -100,9 +99,7 @@ def measure(
     the peers' logs, the periodic rounds in which all replicas averaged (`bench_utilisation`'s count)."""
     job = _job(steps, eval_every)
     loads = [os.getloadavg()[0]]
-    kept = None if keep is None else tempfile.mkdtemp(prefix="ravnest-bytes4-", dir=keep)
-    workdir = contextlib.nullcontext(kept) if kept else tempfile.TemporaryDirectory(prefix="ravnest-bytes4-")
-    with workdir as tmp:
+    with run_dir("ravnest-bytes4-", keep) as tmp:
         results = run_jobs(
             num_peers=NUM_CLUSTERS,
             link_mbps=LINK_MBPS,

@@ -20,17 +20,16 @@ copies take), not the machine's speed. The load average is recorded beside each 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import RESULTS_DIR, record
 from benchmarks.lab_training import run_jobs
+from benchmarks.labrun import run_dir
 from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.training.job import JobSpec
 
@@ -107,9 +106,7 @@ def measure(steps: int, order: list[str], keep: str | None = None) -> list[dict[
     job = _job(steps)
     split = [(0, NUM_LAYERS + 2)]  # embedding, blocks, head: the whole model on one stage
     started_load = os.getloadavg()[0]
-    kept = None if keep is None else tempfile.mkdtemp(prefix="ravnest-outer2-", dir=keep)
-    workdir = contextlib.nullcontext(kept) if kept else tempfile.TemporaryDirectory(prefix="ravnest-outer2-")
-    with workdir as tmp:
+    with run_dir("ravnest-outer2-", keep) as tmp:
         results = run_jobs(
             num_peers=NUM_CLUSTERS,
             link_mbps=LINK_MBPS,

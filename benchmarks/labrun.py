@@ -128,6 +128,13 @@ class LabRun:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def run_dir(prefix: str, keep: str | None) -> contextlib.AbstractContextManager[str]:
+    """A lab run's work directory: kept under `keep` (its logs stay for a reader), else a temporary one."""
+    if keep is not None:
+        return contextlib.nullcontext(tempfile.mkdtemp(prefix=prefix, dir=keep))
+    return tempfile.TemporaryDirectory(prefix=prefix)
+
+
 def start_lab_peers(
     lab: NetnsLab,
     identities: Sequence[Identity],
