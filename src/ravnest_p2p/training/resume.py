@@ -243,23 +243,17 @@ async def gather_state(
         # or the layers have no parameters; kept only if nobody (no checkpoint either) has tensors for
         # them. Taken as a source, it left a joiner's layers at the initial weights (held-out loss 1.91)
         empty: tuple[str, StageState] | None = None
+        answered: list[str] = []  # peers that answered (a failed fetch is not asked again below)
         for peer_id in segment.candidates:
-            found: StageState | None = None
+            part: StageState | None = None
             if peer_id == role.peer_id:
-                found = held.state if held is not None else None
+                part = _slice(held.state if held is not None else None, segment)
             elif source is not None and peer_id in allowed:
                 try:
-                    found = await source.fetch(
-                        peer_id,
-                        job_id=role.job_id,
-                        epoch=previous_epoch,
-                        first_layer=segment.first_layer,
-                        end_layer=segment.end_layer,
-                        allowed=allowed,
-                    )
+                    part = await _fetch(source, role, segment, peer_id, previous_epoch, allowed)
+                    answered.append(peer_id)
                 except Exception as exc:  # a peer's failure costs that source, never the stage
                     logger.info("state of layers %s from %s failed: %r", span, peer_id, exc)
-            part = _slice(found, segment)
             if part is not None and not part.tensors:
                 empty = empty or (peer_id, part)
                 continue
@@ -271,7 +265,7 @@ async def gather_state(
             # nobody answered for the previous plan (a split vote leaves a plan some holders never ran):
             # the newest state the same holders serve of these layers, before an older checkpoint (a lab
             # kill restarted layers from the initial weights while their holder still trained them)
-            newest = await _newest_from(role, segment, source=source, allowed=allowed)
+            newest = await _newest_from(role, segment, answered, source=source, allowed=allowed)
             if newest is not None:
                 parts.append(newest[1])
                 origin[span] = f"{newest[0]} (newest)"
@@ -305,30 +299,45 @@ async def gather_state(
         return None, {span: "initial weights" for span in origin}
 
 
+async def _fetch(
+    source: StateSource,
+    role: StageRole,
+    segment: Segment,
+    peer_id: str,
+    epoch: int | None,
+    allowed: frozenset[str],
+) -> StageState | None:
+    """`peer_id`'s state of the segment's layers on plan `epoch` (None: its newest), sliced to them."""
+    found = await source.fetch(
+        peer_id,
+        job_id=role.job_id,
+        epoch=epoch,
+        first_layer=segment.first_layer,
+        end_layer=segment.end_layer,
+        allowed=allowed,
+    )
+    return _slice(found, segment)
+
+
 async def _newest_from(
-    role: StageRole, segment: Segment, *, source: StateSource | None, allowed: frozenset[str]
+    role: StageRole,
+    segment: Segment,
+    peers: Sequence[str],
+    *,
+    source: StateSource | None,
+    allowed: frozenset[str],
 ) -> tuple[str, StageState] | None:
-    """(peer, its newest state of the segment's layers, on any plan) from the first candidate that has
+    """(peer, its newest state of the segment's layers, on any plan) from the first of `peers` that has
     tensors of them; None if none does."""
     if source is None:
         return None
-    span = f"{segment.first_layer}-{segment.end_layer}"
-    for peer_id in segment.candidates:
-        if peer_id == role.peer_id or peer_id not in allowed:
-            continue
+    for peer_id in peers:
         try:
-            found = await source.fetch(
-                peer_id,
-                job_id=role.job_id,
-                epoch=None,
-                first_layer=segment.first_layer,
-                end_layer=segment.end_layer,
-                allowed=allowed,
-            )
+            part = await _fetch(source, role, segment, peer_id, None, allowed)
         except Exception as exc:
+            span = f"{segment.first_layer}-{segment.end_layer}"
             logger.info("newest state of layers %s from %s failed: %r", span, peer_id, exc)
             continue
-        part = _slice(found, segment)
         if part is not None and part.tensors:
             return peer_id, part
     return None
