@@ -118,17 +118,7 @@ class StateChoice:
             tie_micro_batches=self.replica_tie_micro_batches,
         )
         segments = state_sources(previous.assignment, role, alive=alive, cluster_order=order)
-        state, origin = await gather_state(
-            role,
-            segments,
-            held=held,
-            source=self.state_source,
-            allowed=allowed,
-            previous_epoch=previous.epoch,
-            checkpoints=CheckpointQuery.of(job, role, allowed),
-        )
-        logger.info("job %s: stage state from %s", role.job_id, origin)
-        return state, origin
+        return await self._gather(job, role, segments, held, allowed, previous.epoch, "stage state")
 
     async def for_a_newcomer(
         self, job: JobSpec, role: StageRole, progress: ProgressView
@@ -156,14 +146,28 @@ class StateChoice:
             )
             for s in segments
         ]
+        return await self._gather(
+            job, role, segments, None, allowed, previous_epoch, "newcomer's stage state"
+        )
+
+    async def _gather(
+        self,
+        job: JobSpec,
+        role: StageRole,
+        segments: list[Segment],
+        held: HeldState | None,
+        allowed: frozenset[str],
+        previous_epoch: int,
+        what: str,
+    ) -> tuple[StageState | None, Origin]:
         state, origin = await gather_state(
             role,
             segments,
-            held=None,
+            held=held,
             source=self.state_source,
             allowed=allowed,
             previous_epoch=previous_epoch,
             checkpoints=CheckpointQuery.of(job, role, allowed),
         )
-        logger.info("job %s: newcomer's stage state from %s", role.job_id, origin)
+        logger.info("job %s: %s from %s", role.job_id, what, origin)
         return state, origin
