@@ -37,7 +37,7 @@ from ravnest_p2p.membership.config import DEFAULT_LAYERS, MembershipConfig
 from ravnest_p2p.membership.epochs import Action, EpochTracker, Phase, backed_epoch
 from ravnest_p2p.membership.exclusions import Exclusions
 from ravnest_p2p.membership.gossip import Gossiper, GossipLimits
-from ravnest_p2p.membership.placements import own_placement, previous_placements
+from ravnest_p2p.membership.placements import PlacementMemory, own_placement
 from ravnest_p2p.membership.suspects import DhtSuspectBoard, SuspectBoard, SuspectKind
 from ravnest_p2p.membership.suspicion import SuspicionKeeper
 from ravnest_p2p.membership.view import Capacity, MembershipView, SummaryItem
@@ -188,10 +188,7 @@ class MembershipService:
         self._proposal_workload = "default"
         # the previous placements the proposal kept (`previous_placements`): not in the view digest
         self._proposal_placements: list[PlacedStage] = []
-        self._computed_placements: list[PlacedStage] = []
-        # the placements seen while planning (epoch, workload): `previous_placements`
-        self._placements_for: tuple[int, str] | None = None
-        self._placements_seen: dict[str, PlacedStage] = {}
+        self._placements = PlacementMemory()  # what each epoch's planning keeps (`previous_placements`)
         # what the workload needs of a peer (its plugins): peers whose records lack it are not planned
         self._serving: Serving | None = None
         # dead, silent or misbehaving peers left out of the view (`exclusions.py`)
@@ -396,18 +393,9 @@ class MembershipService:
         """What the plan of this epoch keeps: the live peers' placements (`membership.placements`)."""
         if not self.config.keep_clusters:
             return []
-        epoch, live, records = self.tracker.epoch, self.view.live_ids(), self._records.peers
-        current = previous_placements(records, live, workload=self.workload, epoch=epoch)
-        if self._placements_for != (epoch, self.workload):
-            self._placements_for, self._placements_seen = (epoch, self.workload), {}
-        seen = self._placements_seen
-        seen.update((p.peer_id, p) for p in current)
-        # a member that activated this epoch's plan re-announces its new place, which this epoch's
-        # planning leaves out; the place it had before still counts here (a lab kill's epoch split when
-        # the members still proposing lost those placements and proposed another plan)
-        moved_on = {pid for pid in live if pid in records and records[pid].epoch >= epoch}
-        keep = {p.peer_id for p in current} | (moved_on & set(seen))
-        return [seen[pid] for pid in sorted(keep)]
+        return self._placements.kept(
+            self._records.peers, self.view.live_ids(), workload=self.workload, epoch=self.tracker.epoch
+        )
 
     def compute_plan(self) -> Plan:
         """The plan of the current view and epoch (live peers sorted by id; pure)."""
@@ -421,7 +409,7 @@ class MembershipService:
             previous=self.previous_placements(),
         )
 
-    async def _compute_plan_off_loop(self) -> Plan:
+    async def _compute_plan_off_loop(self) -> tuple[Plan, list[PlacedStage]]:
         # make_plan grows super-linearly (~15 s for 100 peers on this machine): run it on the compute
         # thread over a snapshot taken here, so the loop keeps gossiping and the view cannot race it.
         peers, links = self._plan_inputs()
@@ -432,8 +420,7 @@ class MembershipService:
         )
         if (epoch, digest, workload) != (self.tracker.epoch, self.view.digest(), self.workload):
             raise _Stale()
-        self._computed_placements = previous
-        return plan
+        return plan, previous
 
     async def _publish(self, now: float) -> None:
         assert self._proposal is not None
@@ -449,7 +436,7 @@ class MembershipService:
 
     async def _propose(self, now: float) -> None:
         try:
-            plan = await self._compute_plan_off_loop()
+            plan, kept = await self._compute_plan_off_loop()
         except _Stale:
             return  # the view or epoch moved while we computed: the tracker will ask again
         except ValueError as exc:
@@ -459,7 +446,7 @@ class MembershipService:
             return  # we are not in our own view yet (record not announced): wait
         self._proposal = plan
         self._proposal_workload = self.workload
-        self._proposal_placements = self._computed_placements
+        self._proposal_placements = kept
         self.tracker.proposed(now, _plan_members(plan))
         await self._publish(now)
         logger.debug("proposed plan %s for epoch %d", plan.digest()[:12], plan.epoch)

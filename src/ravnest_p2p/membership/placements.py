@@ -18,7 +18,7 @@ from ravnest_p2p.discovery import PeerRecord
 from ravnest_p2p.discovery.records import PlacementRecord
 from ravnest_p2p.planning import PlacedStage, Plan
 
-__all__ = ["own_placement", "previous_placements"]
+__all__ = ["PlacementMemory", "own_placement", "previous_placements"]
 
 
 def own_placement(plan: Plan | None, workload: str | None, peer_id: str) -> PlacementRecord | None:
@@ -58,3 +58,30 @@ def previous_placements(
             )
         )
     return out
+
+
+class PlacementMemory:
+    """The placements one member's planning of an epoch keeps, stable while the epoch is planned.
+
+    A member that activated epoch ``E``'s plan re-announces its new place, which ``E``'s planning leaves
+    out (`previous_placements`); the place it had before still counts for ``E`` here. Without this, the
+    members still proposing ``E`` lost the first activators' placements and proposed another plan (a lab
+    kill's epoch ended split, 20 s lost). Newer information about a record still before ``E`` wins.
+    """
+
+    def __init__(self) -> None:
+        self._for: tuple[int, str] | None = None  # the (epoch, workload) the memory is about
+        self._seen: dict[str, PlacedStage] = {}
+
+    def kept(
+        self, records: Mapping[str, PeerRecord], live: Set[str], *, workload: str, epoch: int
+    ) -> list[PlacedStage]:
+        """`previous_placements` of the records, plus those seen earlier for this epoch whose peers
+        have since moved on to it (still live), by peer id."""
+        current = previous_placements(records, live, workload=workload, epoch=epoch)
+        if self._for != (epoch, workload):
+            self._for, self._seen = (epoch, workload), {}
+        self._seen.update((p.peer_id, p) for p in current)
+        moved_on = {pid for pid in live if pid in records and records[pid].epoch >= epoch}
+        keep = {p.peer_id for p in current} | (moved_on & set(self._seen))
+        return [self._seen[pid] for pid in sorted(keep)]
