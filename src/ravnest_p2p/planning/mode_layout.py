@@ -41,6 +41,7 @@ from ravnest_p2p.planning.types import InfeasiblePlan, PeerCapacity
 __all__ = ["ModeLayout", "WorkerDoesNotFit", "ist_layout", "rank_workers", "sync_backup_layout"]
 
 _GIB = 2**30
+_ADVICE = "use mode pipeline (its clusters split the model over peers), or a smaller model or batch"
 
 
 class WorkerDoesNotFit(InfeasiblePlan):
@@ -130,7 +131,7 @@ def sync_backup_layout(
         compute_flops=compute_flops,
         exchange_bytes=exchange_bytes,
         what="sync_backup",
-        advice="use mode pipeline (its clusters split the model over peers), or a smaller model or batch",
+        advice=_ADVICE,
     )
     owners = workers[:num_required] if num_backup > 0 else None
     return ModeLayout(workers=workers, owners=owners, need_bytes=need_bytes)
@@ -157,6 +158,6 @@ def ist_layout(
         compute_flops=compute_flops,
         exchange_bytes=exchange_bytes,
         what="ist",
-        advice="use mode pipeline (its clusters split the model over peers), or a smaller model or batch",
+        advice=_ADVICE,
     )
     return ModeLayout(workers=workers, owners=None, need_bytes=need_bytes)
