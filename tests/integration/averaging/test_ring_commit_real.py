@@ -100,11 +100,14 @@ async def test_survivors_apply_the_same_mean_whatever_phase_a_member_dies_in(
         for shard in shard_map.shards:
             alive = [p for p in shard.owners if p != victim.peer_id]
             outers = [survivors[p].outer for p in alive]
-            assert same([live[p] for p in alive], shard.names), (phase, r, shard.ring_id)
-            for slot in ("theta", "momentum"):  # the residual is each member's own roundings
-                assert same([getattr(o, slot) for o in outers], shard.names), (phase, r, slot)
             rings = [
                 next(x for x in survivors[p].history[-1].rings if x.ring_id == shard.ring_id) for p in alive
             ]
+            # who averaged with whom, in how many attempts: tells a member left out for lateness (it
+            # reports itself alone) from a commit fault (members of one attempt with different values)
+            seen = [(x.participants, x.attempts) for x in rings]
+            assert same([live[p] for p in alive], shard.names), (phase, r, shard.ring_id, seen)
+            for slot in ("theta", "momentum"):  # the residual is each member's own roundings
+                assert same([getattr(o, slot) for o in outers], shard.names), (phase, r, slot, seen)
             assert len({x.participants for x in rings}) == 1, (phase, r, [x.participants for x in rings])
             assert len(rings[0].participants) == len(alive) or victim.peer_id in rings[0].participants
