@@ -22,7 +22,11 @@ The rule (decided per ring attempt, the same at every survivor):
   matter which one answers. With a lossy Δ codec the fetcher's own rounding residual is complete too:
   a whole mean somewhere means every chunk was reduced, so every member made all its encodings;
 - if nobody that answers holds it, the attempt is not committed anywhere alive: the survivors form the
-  next attempt without the dead member (its Δ drops out of this sync at every survivor), as before.
+  next attempt without the dead member (its Δ drops out of this sync at every survivor), as before;
+- a member the others left out (late: they formed a later attempt without it) may fetch that attempt's
+  mean too (`adopt_late`, the outer optimizer's syncs): its own Δ is not in it, but it takes the same
+  outer step as the others, so the anchors stay bit-identical, and its Δ goes into its next sync
+  (`OuterOptimizer.step_late`). Any member of the shard's ring may fetch; strangers may not.
 
 Why this and not a commit/ack round after the all-gather: a round of acks cannot make the last ack
 certain (two generals); its failure case is the same "some have it, some do not", which again needs a
@@ -34,8 +38,10 @@ resuming the next attempt from partial sums: see `ring.py` ("Alternatives reject
 Memory: a holder keeps the mean (a copy of the shard: the averaged tensors handed out are views of
 it) until this ring's next round starts there, at most three step deadlines (`RingAllReduce._linger`).
 
-Limits. A holder that dies between answering a probe and serving the fetch: the fetcher tries the other
-holders, then keeps its own values for the round (a second fault in the same window); so does a fetch
+Limits. A late member can fetch only while a holder keeps the mean (three step deadlines after the
+round): a member later than that keeps its values and its anchor falls behind. A holder that dies
+between answering a probe and serving the fetch: the fetcher tries the other holders, then keeps
+its own values for the round (a second fault in the same window); so does a fetch
 that outlasts the holder's three step deadlines (a very large shard on a slow link). A member that a
 probe could not reach but that is alive and holds the mean applies it while the others form a new
 attempt without it (a partition, not a crash): its replica then differs by that round until the next
@@ -73,7 +79,7 @@ def result_slice(session: RingSession | None, req: ResultRequest, requester: str
         return None
     if session.holds != req.attempt or req.attempt < 0:
         return None
-    if requester not in session.members:
+    if requester not in session.members and requester not in session.ring:  # a late ring member may
         raise InvalidMessage(f"{req.ring_id}: {requester} was not in attempt {req.attempt}")
     if req.offset + req.numel > session.numel:
         raise InvalidMessage(f"{req.ring_id}: [{req.offset}, +{req.numel}) beyond {session.numel}")
@@ -84,12 +90,19 @@ def result_slice(session: RingSession | None, req: ResultRequest, requester: str
 
 
 async def fetch_result(
-    endpoint: RpcEndpoint, session: RingSession, holders: Sequence[str], config: RingConfig
+    endpoint: RpcEndpoint,
+    session: RingSession,
+    holders: Sequence[str],
+    config: RingConfig,
+    *,
+    attempt: int | None = None,
 ) -> torch.Tensor | None:
-    """The mean of `session`'s current attempt from the first of `holders` that serves all of it.
+    """The mean of `session`'s current attempt (or of `attempt`, one made without this member) from the
+    first of `holders` that serves all of it.
 
     Returns None if none does (each holder gets `config.step_timeout_s` per slice).
     """
+    attempt = session.attempt if attempt is None else attempt
     for holder in holders:
         mean = torch.empty(session.numel)
         try:
@@ -99,7 +112,7 @@ async def fetch_result(
                     ring_id=session.ring_id,
                     epoch=session.epoch,
                     round=session.round,
-                    attempt=session.attempt,
+                    attempt=attempt,
                     offset=offset,
                     numel=count,
                 )
@@ -112,7 +125,7 @@ async def fetch_result(
             "ring %s round %d: attempt %d's mean fetched from %s",
             session.ring_id,
             session.round,
-            session.attempt,
+            attempt,
             holder,
         )
         return mean

@@ -37,13 +37,15 @@ only Δ, and a running mean quantised as an absolute value would swamp the Δ sh
 Buffers (BatchNorm statistics) are not parameters: they are averaged plainly (P = θ_local, θ ← P̄),
 never stepped with momentum (an overshoot could make a running variance negative).
 
-Faults (the rule the docs state). A shard whose ring did not average this round (this owner was alone:
-its partners died, or it was late) takes no outer step: θ_outer, momentum and residual stay as they
-were, and θ_local is not reset, so the progress it made is in its next Δ (applied at the next sync it
-joins). Every survivor of a ring attempt applies the same mean or none does (the ring's commit rule,
-`commit.py`). A member the others left out (late, or cut off) then holds an older anchor than they do;
-it re-converges (the difference contracts by ~0.5 per sync at lr 0.7, μ 0.9) but is not bit-identical
-again until a state transfer.
+Faults (the rule the docs state). A member the others left out of a ring because it was late fetches
+their mean and takes the same outer step (`OuterOptimizer.step_late`: anchors and momentum stay
+bit-identical); its own Δ is in no mean and goes into its next sync (it continues from the new anchor
+less its Δ). A shard whose ring did not average at all this round (this owner was alone: its partners
+died; or it was later than the holders keep the mean) takes no outer step: θ_outer, momentum and
+residual stay as they were, and θ_local is not reset, so its progress is in its next Δ. Every survivor
+of a ring attempt applies the same mean or none does (the ring's commit rule, `commit.py`). A member
+left alone (or cut off) then holds an older anchor than the others; it re-converges (the difference
+contracts by ~0.5 per sync at lr 0.7, μ 0.9) but is not bit-identical again until a state transfer.
 The closing round (`wait_for_all`) is therefore a plain average of θ_local, as without an outer
 optimizer: the replicas end training identical.
 
@@ -348,6 +350,32 @@ class OuterOptimizer:
             out[name] = self._continue_from(name, new).to(mean.dtype)
         return out
 
+    def step_late(
+        self, averaged: Mapping[str, Tensor], sent: Mapping[str, Tensor], kind: DeltaCompression
+    ) -> dict[str, Tensor]:
+        """The outer step of a member left out of the sync (late) that fetched the others' mean.
+
+        The anchor and momentum take exactly the step the others take (same function, same bits), so
+        the replicas' anchors stay identical. This member's own pseudo-gradient c (what it would have
+        sent: Δ with its carried residual; `sent` is what `outgoing`/`outgoing_deltas` returned) is in
+        no mean: it continues from new anchor - c, so c is in its next Δ (applied at its next sync),
+        and its residual is folded into c. Names with no anchor (buffers averaged plainly) take the mean.
+        """
+        own: dict[str, Tensor] = {}
+        for name in averaged:
+            if name not in self.theta:
+                continue
+            if kind is DeltaCompression.NONE:  # the rings carried P = θ_local
+                own[name] = self.theta[name] - sent[name].to(torch.float32)
+            else:
+                own[name] = sent[name].to(torch.float32) + self._pending.get(name, 0)
+            self._pending.pop(name, None)
+        out = self.step(averaged) if kind is DeltaCompression.NONE else self.step_deltas(averaged)
+        for name, c in own.items():
+            self.residual.pop(name, None)
+            out[name] = (self.theta[name] - c).to(averaged[name].dtype)
+        return out
+
     # ----- moving with the stage state -----------------------------------------------------------
     def export_state(self, names: Collection[str] | None = None, *, copy: bool = True) -> dict[str, Tensor]:
         """The outer state as ``outer/<name>/<slot>`` (slots: theta, momentum, residual).
@@ -413,6 +441,8 @@ class OuterAverager(Averager):
         self._closing = False
         self._lost: dict[str, Tensor] = {}
         self._kind_of: dict[str, DeltaCompression] = {}  # name -> its ring's codec in the latest sync
+        self._sent: Mapping[str, Tensor] = {}  # what this sync sent (a late member's own Δ)
+        self._late: set[str] = set()  # names whose ring averaged without this member (it was late)
         self.payload_bytes: list[int] = []  # per round: the encoded pseudo-gradients' size
 
     async def run_round(
@@ -449,7 +479,10 @@ class OuterAverager(Averager):
     ) -> tuple[dict[str, Tensor], RoundMetrics]:
         kinds = self._ring_kinds(shard_map)
         wire = None if self._closing else {r: self.outer.wire_of(k) for r, k in kinds.items()}
-        return await self.rings.all_reduce(
+        # a late member takes the others' step (`step_late`); not with local momentum (its own Δ went
+        # through its momentum already) and not in the closing round (a plain average)
+        adopt = not (self._closing or self.outer.config.local_momentum)
+        averaged, metrics = await self.rings.all_reduce(
             shard_map,
             outgoing,
             round_index=round_index,
@@ -458,7 +491,12 @@ class OuterAverager(Averager):
             ring_ids=ring_ids,
             wire=wire,
             errors=self._lost,
+            adopt_late=adopt,
         )
+        me = self.rings.peer_id
+        late = {r.ring_id for r in metrics.rings if len(r.participants) > 1 and me not in r.participants}
+        self._late = {n for s in shard_map.shards if s.ring_id in late for n in s.names}
+        return averaged, metrics
 
     def _by_kind(self, names: Collection[str]) -> dict[DeltaCompression, list[str]]:
         groups: dict[DeltaCompression, list[str]] = {}
@@ -493,6 +531,7 @@ class OuterAverager(Averager):
 
         out, nbytes = await run_in_compute_thread(encode)
         self.payload_bytes.append(nbytes)
+        self._sent = out
         return out
 
     async def _incoming(self, averaged: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -500,10 +539,16 @@ class OuterAverager(Averager):
             return averaged
         outer = self.outer
 
+        late, sent = self._late, self._sent
+        self._late, self._sent = set(), {}
+
         def step() -> dict[str, Tensor]:
             out: dict[str, Tensor] = {}
             for kind, names in self._by_kind(averaged).items():
-                part = {n: averaged[n] for n in names}
+                part = {n: averaged[n] for n in names if n not in late}
+                left_out = {n: averaged[n] for n in names if n in late}
+                if left_out:
+                    out.update(outer.step_late(left_out, sent, kind))
                 if kind is DeltaCompression.NONE:
                     out.update(outer.step(part))
                 else:

@@ -25,11 +25,13 @@ _BEHIND_POLL_S = 0.5  # how often a closing round re-probes the members that hav
 @dataclass(frozen=True)
 class NextAttempt:
     """What follows a failed attempt: `holders` of its whole mean (fetch it, `commit.py`), or the next
-    attempt's number and members (None: this member is out of the round)."""
+    attempt's number and members (None: this member is out of the round). `late`: the holders hold
+    the mean of a later attempt made without this member (`adopt_late`)."""
 
     attempt: int
     members: tuple[str, ...] | None
     holders: tuple[str, ...] = ()
+    late: bool = False
 
 
 async def reform(
@@ -39,6 +41,7 @@ async def reform(
     deadline: float,
     *,
     wait_for_all: bool = False,
+    adopt_late: bool = False,
 ) -> NextAttempt:
     """Probe the failed attempt's members; return who holds its mean, or the next attempt.
 
@@ -49,8 +52,13 @@ async def reform(
     members that answer that they are behind (alive, in this epoch's ring, not in this round yet) are
     probed again every `_BEHIND_POLL_S` until they arrive or the round deadline is near; they are left
     out only then. Waiting uses no attempt: `max_attempts` counts failures, not late members.
+
+    With `adopt_late`, a member the others left out (it was late: they formed a later attempt without
+    it) waits, re-probing every `_BEHIND_POLL_S`, until one of them holds that attempt's whole mean,
+    and returns those holders (`late`); it gives up if that attempt fails too or the deadline nears.
     """
     me = endpoint.peer_id
+    ring = set(session.ring or session.members)
     failed = session.attempt
     others = [m for m in session.members if m != me]
     request = StatusRequest(
@@ -67,6 +75,7 @@ async def reform(
         behind: set[str] = set()
         ahead: StatusReply | None = None
         holders: list[str] = []
+        committed: dict[tuple[int, tuple[str, ...]], list[str]] = {}  # attempts made without me
         for member, reply in zip(others, replies, strict=True):
             if isinstance(reply, asyncio.CancelledError):
                 raise reply
@@ -76,6 +85,8 @@ async def reform(
             status = reply.message
             if status.holds == failed and tuple(status.members) == session.members:
                 holders.append(member)
+            elif adopt_late and status.holds > failed and _without(me, status.members, ring):
+                committed.setdefault((status.holds, tuple(status.members)), []).append(member)
             if status.alive and not status.done:
                 alive.add(member)
                 if status.attempt > failed and (ahead is None or status.attempt > ahead.attempt):
@@ -84,11 +95,33 @@ async def reform(
                 behind.add(member)
         if holders:
             return NextAttempt(failed, session.members, tuple(holders))
-        if ahead is not None:
-            return NextAttempt(ahead.attempt, tuple(ahead.members) if me in ahead.members else None)
-        if not (wait_for_all and behind and time.monotonic() + 2 * _BEHIND_POLL_S < deadline):
+        if committed:  # the latest attempt that committed without me
+            (attempt, members), who = max(committed.items())
+            return NextAttempt(attempt, members, tuple(who), late=True)
+        waits = time.monotonic() + 2 * _BEHIND_POLL_S < deadline
+        if ahead is not None and me in ahead.members:
+            return NextAttempt(ahead.attempt, tuple(ahead.members))
+        if ahead is not None and not (adopt_late and waits):
+            return NextAttempt(ahead.attempt, None)
+        if ahead is not None:  # running without me: its mean is what the others will apply
+            if not logged:
+                logger.info(
+                    "ring %s round %d: left out, waiting for attempt %d's mean",
+                    session.ring_id,
+                    session.round,
+                    ahead.attempt,
+                )
+                logged = True
+            await asyncio.sleep(_BEHIND_POLL_S)
+            continue
+        if not (wait_for_all and behind and waits):
             return NextAttempt(failed + 1, tuple(m for m in session.members if m in alive))
         if not logged:
             logger.info("ring %s round %d: waiting for %s, behind", session.ring_id, session.round, behind)
             logged = True
         await asyncio.sleep(_BEHIND_POLL_S)
+
+
+def _without(me: str, members: list[str], ring: set[str]) -> bool:
+    """Whether `members` is an attempt of this ring made without `me` (one a late member may adopt)."""
+    return me not in members and len(members) >= 2 and set(members) <= ring

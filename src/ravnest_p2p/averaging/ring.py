@@ -63,7 +63,8 @@ by DHT matchmaking and splits by peer bandwidth; our rings are fixed by the plan
 Commit (`commit.py`). An attempt's mean counts as soon as one member holds it whole: a member whose
 attempt failed with every part in hand (only its neighbour's acks missing) applies it, and one that
 lacks it fetches it from a holder its probe finds, instead of forming the next attempt; so every
-survivor applies the same mean.
+survivor applies the same mean. With `adopt_late` (outer syncs) a member left out of the attempt that
+committed fetches its mean too, and takes the same outer step as the others.
 
 Limits. Probes decide liveness, not speed: a member that answers probes but moves slower than the step
 deadline is dropped only after its attempt fails `max_attempts` times.
@@ -94,7 +95,7 @@ from ravnest_p2p.averaging.messages import (
     StreamHello,
 )
 from ravnest_p2p.averaging.partstream import AttemptFailed, receive_attempt, refuse, send_attempt
-from ravnest_p2p.averaging.reform import NextAttempt, reform
+from ravnest_p2p.averaging.reform import reform
 from ravnest_p2p.averaging.session import LinkRates, RingRefused, RingSession
 from ravnest_p2p.averaging.shards import Shard, ShardMap
 from ravnest_p2p.averaging.streams import P2PStreams, Streams
@@ -194,6 +195,7 @@ class RingAllReduce:
         wire: WireCodec | Mapping[str, WireCodec | None] | None = None,
         errors: dict[str, torch.Tensor] | None = None,
         ring_ids: Collection[str] | None = None,
+        adopt_late: bool = False,
     ) -> tuple[dict[str, torch.Tensor], RoundMetrics]:
         """Average every shard this peer owns with the other owners; all rings run concurrently.
 
@@ -214,6 +216,8 @@ class RingAllReduce:
             errors: with a lossy `wire`, filled with what this member's encodings dropped, by name, in
                 sum units (x ring size of the mean), for the rings that averaged: error feedback.
             ring_ids: average only these of my rings (a staggered sync's fragment); None = all.
+            adopt_late: if the others average a ring without this member (it was late), fetch their
+                mean (`commit.py`); that ring's participants then do not include this peer.
 
         Returns:
             The averaged tensors (same names, shapes and dtypes) and this round's metrics. A ring that
@@ -240,6 +244,7 @@ class RingAllReduce:
                     rates,
                     wait_for_all,
                     wire.get(shard.ring_id) if isinstance(wire, Mapping) else wire,
+                    adopt_late,
                 )
                 for shard in shards
             )
@@ -268,6 +273,7 @@ class RingAllReduce:
         link_rates: LinkRates | None,
         wait_for_all: bool = False,
         wire: WireCodec | None = None,
+        adopt_late: bool = False,
     ) -> tuple[dict[str, torch.Tensor], RingMetrics, dict[str, torch.Tensor] | None]:
         started = time.monotonic()
         parts = [tensors[n] for n in shard.names]
@@ -281,11 +287,13 @@ class RingAllReduce:
             link_rates=link_rates,
             wire=wire,
         )
+        session.ring = shard.ring
         deadline = time.monotonic() + self.config.round_timeout_s
         members: tuple[str, ...] | None = shard.ring
         attempt = 0
         result: torch.Tensor | None = None
         participants: tuple[str, ...] = (self.peer_id,)
+        late = False  # the mean of an attempt made without this member (`adopt_late`)
         # The first attempt's streams open while the shard is flattened: both take tens of ms per
         # round (64 MB: ~30 ms to flatten, a stream negotiation through both daemons), in series they
         # delayed every member's first byte by ~0.15 s on the lab.
@@ -320,10 +328,21 @@ class RingAllReduce:
                     last = attempt + 1 >= self.config.max_attempts or time.monotonic() >= deadline
                     # even without attempts left: a member that holds this attempt's mean commits it
                     probe_by = max(deadline, time.monotonic() + self.config.probe_timeout_s)
-                    after = await self._reform(session, probe_by, wait_for_all and not last)
+                    after = await reform(
+                        self.endpoint,
+                        session,
+                        self.config,
+                        probe_by,
+                        wait_for_all=wait_for_all and not last,
+                        adopt_late=adopt_late,
+                    )
                     if after.holders:
-                        mean = await fetch_result(self.endpoint, session, after.holders, self.config)
-                        if mean is not None:
+                        mean = await fetch_result(
+                            self.endpoint, session, after.holders, self.config, attempt=after.attempt
+                        )
+                        if mean is not None and after.late:
+                            result, participants, late = mean, after.members or (), True
+                        elif mean is not None:
                             result, participants = session.adopt(mean), session.members
                         members = None
                         break
@@ -339,7 +358,7 @@ class RingAllReduce:
         lost = None
         if result is None:  # no attempt completed: this round keeps the local values
             result = await flatten_shard(parts, shard.numel)
-        elif session.errors.numel():
+        elif session.errors.numel() and not late:  # a late member's encodings are in no mean
             lost = await split_shard(session.errors, shard, tensors)
         named = await split_shard(result, shard, tensors)
         metrics = RingMetrics(
@@ -387,10 +406,6 @@ class RingAllReduce:
             session.stop_attempt()
             raise AttemptFailed(f"cannot open a stream to {session.right}: {exc!r}") from None
         await send_attempt(session, streams, self.config)
-
-    async def _reform(self, session: RingSession, deadline: float, wait_for_all: bool) -> NextAttempt:
-        """After a failed attempt: probe the members; who holds its mean, or the next attempt."""
-        return await reform(self.endpoint, session, self.config, deadline, wait_for_all=wait_for_all)
 
     def _release(self, ring_id: str) -> None:
         """Drop the mean held for `ring_id`'s previous round (memory: a copy of the shard)."""

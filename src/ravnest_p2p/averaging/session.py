@@ -129,6 +129,7 @@ class RingSession:
         self.relay: dict[tuple[int, int], bytes] = {}  # wire: gathered parts' bytes, forwarded verbatim
         self.attempt = -1
         self.members: tuple[str, ...] = ()
+        self.ring: tuple[str, ...] = ()  # the shard's whole ring (the plan's), set by its runner
         self.digest = ""
         self.chunks_digest = ""
         self.running = False

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ravnest_p2p.averaging import DeltaCompression, OuterOptimizerConfig
+from ravnest_p2p.averaging.ring import RingAllReduce
 from ravnest_p2p.averaging.session import RingSession
 from tests.integration.averaging.helpers import drift, outer_averagers
 
@@ -111,3 +112,37 @@ async def test_survivors_apply_the_same_mean_whatever_phase_a_member_dies_in(
                 assert same([getattr(o, slot) for o in outers], shard.names), (phase, r, slot, seen)
             assert len({x.participants for x in rings}) == 1, (phase, r, [x.participants for x in rings])
             assert len(rings[0].participants) == len(alive) or victim.peer_id in rings[0].participants
+
+
+@pytest.mark.timeout(300)  # the lateness grows with the step deadline, which grows with the load
+async def test_a_member_late_for_a_ring_takes_the_step_the_others_took(swarm, monkeypatch):
+    """Not a fault: one member reaches a ring after the others formed it without it (later than a step
+    deadline). It fetches their mean and takes the same outer step: anchors and momentum stay identical."""
+    _, servers, shard_map, owner_values, _ = swarm
+    cluster_of = {p: c for p, (c, _) in owner_values.items()}
+    live, averagers = outer_averagers(servers, shard_map, owner_values, OuterOptimizerConfig())
+    drift(live, cluster_of, 0)
+    await asyncio.gather(*(a.run_round(0) for a in averagers.values()))
+    late, ring = servers[4].peer_id, shard_map.shards[0]  # cluster 2 stage 0, in ring e2/s0
+    owners = ring.owners
+    assert late in owners
+    run_ring = RingAllReduce._run_ring
+
+    async def late_run_ring(self, epoch, shard, tensors, round_index, *args):
+        if self.peer_id == late and shard.index == ring.index and round_index == 1:
+            await asyncio.sleep(1.5 * self.config.step_timeout_s)
+        return await run_ring(self, epoch, shard, tensors, round_index, *args)
+
+    monkeypatch.setattr(RingAllReduce, "_run_ring", late_run_ring)
+    for r in (1, 2):
+        drift(live, cluster_of, r)
+        await asyncio.gather(*(a.run_round(r) for a in averagers.values()))
+        for shard in shard_map.shards:
+            outers = [averagers[p].outer for p in shard.owners]
+            for slot in ("theta", "momentum"):
+                assert same([getattr(o, slot) for o in outers], shard.names), (r, slot, shard.ring_id)
+        seen = [next(x for x in averagers[p].history[-1].rings if x.ring_id == ring.ring_id) for p in owners]
+        everyone = set(ring.owners) if r == 2 else set(ring.owners) - {late}
+        assert all(set(x.participants) == everyone for x in seen), (r, [x.participants for x in seen])
+        if r == 1:  # its own Δ waits for its next sync, in what it continues from
+            assert not same([live[p] for p in owners], ring.names)

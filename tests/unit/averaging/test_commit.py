@@ -50,6 +50,17 @@ async def test_a_held_mean_is_served_to_members_of_its_attempt_only():
     assert result_slice(session, request(), "b") is None
 
 
+async def test_a_member_of_the_ring_left_out_of_the_attempt_may_fetch_its_mean_a_stranger_may_not():
+    session = await holding(members=("a", "b"))
+    session.ring = ("a", "b", "late")
+    for fut in session._received.values():
+        fut.set_result(True)
+    mean = session.average()
+    assert torch.equal(result_slice(session, request(), "late"), mean[2:6])
+    with pytest.raises(InvalidMessage):
+        result_slice(session, request(), "stranger")
+
+
 def test_a_fetched_slice_is_checked():
     good = torch.ones(4)
     assert torch.equal(_checked(ResultReply(available=True), [good], 4), good)
