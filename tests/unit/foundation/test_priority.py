@@ -55,9 +55,11 @@ async def test_background_keeps_its_share_under_a_foreground_that_never_pauses()
             await asyncio.sleep(part_s)
         elapsed = time.monotonic() - started
     assert gate.stats.forced_turns == 5
-    # background's time share is min_share: a part of 10 ms per 40 ms, never less (no starvation)
+    # background's time share is min_share: a part of 10 ms per 40 ms (0.2 s in all on a quiet host),
+    # never less, and no turn waits out max_yield_s (starvation: 50 s). No tighter upper bound: a
+    # busy host stretches the sleeps (0.72 s at load 11 on 2 cores)
     assert elapsed >= 5 * part_s / 0.25 * 0.9
-    assert elapsed < 5 * part_s / 0.25 + 0.3
+    assert elapsed < 10
 
 
 def test_yield_budget_follows_the_share_and_its_cap():
