@@ -2,17 +2,32 @@
 
 Every stage owner of every cluster derives the same shard map from the job's assignment (parameters
 keyed by global name, cut at every cluster's stage boundaries) and joins the rings of the shards it owns.
-Rounds are paired by optimizer step — round r starts on each replica when it finishes step
-r x `averaging_period_steps` — or, with `averaging_period_s`, by wall-clock period: round r starts at
-r x period seconds of the epoch clock on every replica, which keeps clusters of different speeds
+Rounds are paired by index: every replica must give the same round the same number. Round r comes
+due on each replica when it finishes step r x `averaging_period_steps` — or, with `averaging_period_s`,
+at r x period seconds of the epoch clock on every replica, which keeps clusters of different speeds
 pairing up (by step, a faster cluster drifts ahead until its partners arrive after the deadline and
 every round runs alone; seen on the lab). A round runs in the background (delayed averaging: the
-average of the snapshot, plus what the stage learned meanwhile). A round that comes due while the
-previous one still runs is deferred: it starts as soon as that one ends (a newer due round replaces a
-deferred one, which then counts as skipped). Skipping it instead locked partners out of phase on the
-lab: a round that waited for a partner outlasted the 1 s period, so each replica ran every other round,
-one the even ones and its partner the odd ones, and every round ran alone. A deferred round still
-pairs: the partner's stream waits for it (up to the ring's step deadline).
+average of the snapshot, plus what the stage learned meanwhile).
+
+The index rule (`RoundSchedule`):
+- a round that comes due while this replica is idle takes the period's index (step // period, or the
+  clock's), never below the last index + 1;
+- a round that comes due while the previous one (index r) still runs is deferred and starts as soon as
+  that one ends, as round r + 1 (more due rounds meanwhile add nothing: they count as skipped).
+Why r + 1 and not the newest due index: a round outlasting the period ends at the same moment on every
+member of its ring (they finish together), but at different steps — each replica's step count runs on
+its own — so "the step where it became free" rarely matched across replicas (lab, every step: 4 of 1062
+and 12 of 903 peer-rounds had all 4 replicas). Replicas that ran round r together all run r + 1 next,
+so rounds outlasting the period pair in lockstep; when rounds get shorter than the period again, an idle
+replica rejoins the period's index, which replicas that step alike agree on.
+- A replica that ran a round alone (no partner in any of its rings: it fell out of phase, joined late
+  after a re-plan, or its partners died) drops a deferred round and waits for the next period index that
+  is a multiple of `RESYNC_STEPS` steps (by step; the next boundary on the clock), then takes that index.
+  Its partners, out of phase with it, run alone too and do the same, so they meet again there as long as
+  their step counts differ by less than the stride. Skipping it instead (the first design) locked
+  partners out of phase: each replica ran every other round, one the even ones and its partner the odd.
+- Staggered outer syncs (below) keep their own step-derived indices (H / num_fragments apart).
+The outer optimizer's every-H rounds are unchanged while a sync is shorter than H: round k at step k x H.
 
 At the last step every stage runs one more round synchronously, holding its pipeline work, so the
 replicas end training with identical weights (and evaluation sees them).
@@ -58,12 +73,63 @@ from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import TaskOwner
 from ravnest_p2p.utils.aio import run_in_compute_thread
 
-__all__ = ["FINAL_ROUND", "ReplicaAverager", "shard_map_for", "stage_entries", "tensor_digests"]
+__all__ = [
+    "FINAL_ROUND",
+    "RESYNC_STEPS",
+    "ReplicaAverager",
+    "RoundSchedule",
+    "shard_map_for",
+    "stage_entries",
+    "tensor_digests",
+]
 
 logger = logging.getLogger(__name__)
 
 # The closing round's index: above any periodic round, the same on every replica.
 FINAL_ROUND = 2**40
+# a replica that ran a round alone restarts at a period index that is a multiple of this many steps
+RESYNC_STEPS = 16
+
+
+class RoundSchedule:
+    """Which round index a replica starts, and when (the module docstring's rule; pure, no I/O).
+
+    Args:
+        resync_periods: a replica out of phase restarts at an index that is a multiple of this.
+    """
+
+    def __init__(self, resync_periods: int = 1) -> None:
+        self.resync_periods = max(1, resync_periods)
+        self.last = 0  # the index of the last round started
+        self.pending = False  # a round came due while the last one ran
+        self.resync = False  # the last round ran alone: wait for a stride's index
+        self.skipped = 0  # due rounds that started no round of their own
+
+    def due(self, index: int, *, busy: bool) -> int | None:
+        """Period `index` came due (step // period, or the clock's); the round to start now, or None."""
+        if busy:
+            self.skipped += self.pending
+            self.pending = True
+            return None
+        if self.resync:
+            if index % self.resync_periods:
+                self.skipped += 1
+                return None
+            self.resync = False
+        self.last = max(index, self.last + 1)
+        return self.last
+
+    def finished(self, *, alone: bool) -> int | None:
+        """The running round ended (`alone`: no partner joined any ring); the next round to start now."""
+        pending, self.pending = self.pending, False
+        if alone:
+            self.resync = True
+            self.skipped += pending
+            return None
+        if not pending:
+            return None
+        self.last += 1
+        return self.last
 
 
 def stage_entries(job: JobSpec, first_layer: int, end_layer: int) -> list[tuple[str, int]]:
@@ -105,6 +171,11 @@ def shard_map_for(job: JobSpec, *, epoch: int) -> ShardMap | None:
         ],
         epoch=epoch,
     )
+
+
+def _alone(metrics: RoundMetrics | None) -> bool:
+    """Whether a round had rings to average and none of them found a partner."""
+    return metrics is not None and bool(metrics.rings) and all(len(r.participants) < 2 for r in metrics.rings)
 
 
 class ReplicaAverager:
@@ -160,8 +231,9 @@ class ReplicaAverager:
         self._round: asyncio.Task[RoundMetrics | None] | None = None
         self._tasks = TaskOwner("replica-averager")
         self.rounds: list[RoundMetrics] = []
-        self.skipped = 0
-        self._deferred: int | None = None  # a round that came due while the previous one ran
+        self.skipped = 0  # staggered syncs skipped (a fragment's previous sync still ran)
+        resync = -(-RESYNC_STEPS // self.period_steps) if self.period_steps else 1
+        self.schedule = RoundSchedule(resync)
         self.final_done = False
         # staggered syncs (`averaging/stagger.py`): by step only; one background sync per fragment
         self.num_fragments = outer.num_fragments if outer is not None and self.period_steps else 1
@@ -197,23 +269,22 @@ class ReplicaAverager:
             if not self.final_done:
                 self._start_round(index)
 
-    def _start_round(self, round_index: int) -> None:
-        if self._round is not None and not self._round.done():
-            if self._deferred is not None:
-                self.skipped += 1
-            self._deferred = round_index
-            logger.info("averaging round %d deferred: the previous one is still running", round_index)
-            return
-        self._round = self._tasks.spawn(self._rounds_from(round_index), name="round")
+    def _start_round(self, period_index: int) -> None:
+        """Period `period_index` came due: start its round, or defer it (`RoundSchedule`)."""
+        busy = self._round is not None and not self._round.done()
+        index = self.schedule.due(period_index, busy=busy)
+        if busy:
+            logger.info("averaging round of period %d deferred: the previous one runs", period_index)
+        elif index is not None:
+            self._round = self._tasks.spawn(self._rounds_from(index), name="round")
 
     async def _rounds_from(self, round_index: int) -> RoundMetrics | None:
-        """Run `round_index`, then whichever round came due meanwhile, until none did."""
-        metrics, index = None, round_index
-        while not self.final_done:
+        """Run `round_index`, then the next one if one came due meanwhile, until none did."""
+        metrics: RoundMetrics | None = None
+        index: int | None = round_index
+        while index is not None and not self.final_done:
             metrics = await self._run(index)
-            if self._deferred is None:
-                break
-            index, self._deferred = self._deferred, None
+            index = self.schedule.finished(alone=_alone(metrics))
         return metrics
 
     def _start_fragment(self, round_index: int, fragment: int) -> None:

@@ -11,7 +11,7 @@ from ravnest_p2p.utils import TaskOwner
 
 async def test_fragments_start_in_turn_overlap_each_other_and_a_busy_one_skips():
     replicas = ReplicaAverager.__new__(ReplicaAverager)  # only the scheduling matters here
-    replicas._round, replicas._deferred, replicas.skipped, replicas.final_done = None, None, 0, False
+    replicas._round, replicas.skipped, replicas.final_done = None, 0, False
     replicas._tasks = TaskOwner("test")
     replicas.period_steps, replicas.final_step, replicas.num_fragments = 4, 100, 2
     replicas._fragment_rings = [frozenset({"a"}), frozenset({"b", "c"})]
