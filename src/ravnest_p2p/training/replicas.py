@@ -2,39 +2,22 @@
 
 Every stage owner of every cluster derives the same shard map from the job's assignment (parameters
 keyed by global name, cut at every cluster's stage boundaries) and joins the rings of the shards it owns.
-Rounds are paired by index: every replica must give the same round the same number. Round r comes
-due on each replica when it finishes step r x `averaging_period_steps` — or, with `averaging_period_s`,
-at r x period seconds of the epoch clock on every replica, which keeps clusters of different speeds
-pairing up (by step, a faster cluster drifts ahead until its partners arrive after the deadline and
-every round runs alone; seen on the lab). A round runs in the background (delayed averaging: the
-average of the snapshot, plus what the stage learned meanwhile).
-
-The index rule (`RoundSchedule`):
-- a round that comes due while this replica is idle takes the period's index (step // period, or the
-  clock's), never below the last index + 1;
-- a round that comes due while the previous one (index r) still runs is deferred and starts as soon as
-  that one ends, as round r + 1 (more due rounds meanwhile add nothing: they count as skipped).
-Why r + 1 and not the newest due index: a round outlasting the period ends at the same moment on every
-member of its ring (they finish together), but at different steps — each replica's step count runs on
-its own — so "the step where it became free" rarely matched across replicas (lab, every step: 4 of 1062
-and 12 of 903 peer-rounds had all 4 replicas). Replicas that ran round r together all run r + 1 next,
-so rounds outlasting the period pair in lockstep; when rounds get shorter than the period again, an idle
-replica rejoins the period's index, which replicas that step alike agree on.
-- A replica that ran a round alone (no partner in any of its rings: it fell out of phase, joined late
-  after a re-plan, or its partners died) drops a deferred round and waits for the next period index that
-  is a multiple of `RESYNC_STEPS` steps (by step; the next boundary on the clock), then takes that index.
-  Its partners, out of phase with it, run alone too and do the same, so they meet again there as long as
-  their step counts differ by less than the stride. Skipping it instead (the first design) locked
-  partners out of phase: each replica ran every other round, one the even ones and its partner the odd.
-- Staggered outer syncs (below) keep their own step-derived indices (H / num_fragments apart).
-The outer optimizer's every-H rounds are unchanged while a sync is shorter than H: round k at step k x H.
+Rounds are paired by index: round r comes due on each replica when it finishes step
+r x `averaging_period_steps` — or, with `averaging_period_s`, at r x period seconds of the epoch clock
+on every replica, which keeps clusters of different speeds pairing up (by step, a faster cluster drifts
+ahead until its partners arrive after the deadline and every round runs alone; seen on the lab). A round
+runs in the background (delayed averaging: the average of the snapshot, plus what the stage learned
+meanwhile). A round that comes due while the previous one runs starts when that one ends, under the
+next index; replicas that fall out of phase meet again under a wall-clock index (the rule, and why:
+`training/round_schedule.py`).
 
 At the last step every stage runs one more round synchronously, holding its pipeline work, so the
 replicas end training with identical weights (and evaluation sees them).
 
 With the job's `outer_optimizer`, every periodic round is an outer-optimizer sync instead
 (`averaging/outer.py`: averaged pseudo-gradients, an outer Nesterov step on a shared anchor); the
-schedule, rings and delayed apply are the same; the closing round stays a plain average. Its state
+schedule, rings and delayed apply are the same; the closing round is coded under a Δ codec where the
+replicas' anchors agree (`averaging/outer_averager.py`). Its state
 can move with the stage (`export_outer_state` / `import_outer_state`). With its `num_fragments` > 1
 (by step only) the syncs are staggered (`averaging/stagger.py`, Streaming DiLoCo): one fragment of the
 rings starts a sync every H / num_fragments steps, in the background; fragments' syncs may overlap, a
@@ -47,6 +30,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 from collections.abc import Mapping
 
 import torch
@@ -69,15 +53,14 @@ from ravnest_p2p.averaging.stagger import due_fragment, fragment_rings
 from ravnest_p2p.models import build_layers
 from ravnest_p2p.runtime.stage import StageExecutor
 from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.round_schedule import RESYNC_S, RESYNC_SLOTS, RoundSchedule
 from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import TaskOwner
 from ravnest_p2p.utils.aio import run_in_compute_thread
 
 __all__ = [
     "FINAL_ROUND",
-    "RESYNC_STEPS",
     "ReplicaAverager",
-    "RoundSchedule",
     "shard_map_for",
     "stage_entries",
     "tensor_digests",
@@ -87,49 +70,6 @@ logger = logging.getLogger(__name__)
 
 # The closing round's index: above any periodic round, the same on every replica.
 FINAL_ROUND = 2**40
-# a replica that ran a round alone restarts at a period index that is a multiple of this many steps
-RESYNC_STEPS = 16
-
-
-class RoundSchedule:
-    """Which round index a replica starts, and when (the module docstring's rule; pure, no I/O).
-
-    Args:
-        resync_periods: a replica out of phase restarts at an index that is a multiple of this.
-    """
-
-    def __init__(self, resync_periods: int = 1) -> None:
-        self.resync_periods = max(1, resync_periods)
-        self.last = 0  # the index of the last round started
-        self.pending = False  # a round came due while the last one ran
-        self.resync = False  # the last round ran alone: wait for a stride's index
-        self.skipped = 0  # due rounds that started no round of their own
-
-    def due(self, index: int, *, busy: bool) -> int | None:
-        """Period `index` came due (step // period, or the clock's); the round to start now, or None."""
-        if busy:
-            self.skipped += self.pending
-            self.pending = True
-            return None
-        if self.resync:
-            if index % self.resync_periods:
-                self.skipped += 1
-                return None
-            self.resync = False
-        self.last = max(index, self.last + 1)
-        return self.last
-
-    def finished(self, *, alone: bool) -> int | None:
-        """The running round ended (`alone`: no partner joined any ring); the next round to start now."""
-        pending, self.pending = self.pending, False
-        if alone:
-            self.resync = True
-            self.skipped += pending
-            return None
-        if not pending:
-            return None
-        self.last += 1
-        return self.last
 
 
 def stage_entries(job: JobSpec, first_layer: int, end_layer: int) -> list[tuple[str, int]]:
@@ -171,11 +111,6 @@ def shard_map_for(job: JobSpec, *, epoch: int) -> ShardMap | None:
         ],
         epoch=epoch,
     )
-
-
-def _alone(metrics: RoundMetrics | None) -> bool:
-    """Whether a round had rings to average and none of them found a partner."""
-    return metrics is not None and bool(metrics.rings) and all(len(r.participants) < 2 for r in metrics.rings)
 
 
 class ReplicaAverager:
@@ -232,8 +167,7 @@ class ReplicaAverager:
         self._tasks = TaskOwner("replica-averager")
         self.rounds: list[RoundMetrics] = []
         self.skipped = 0  # staggered syncs skipped (a fragment's previous sync still ran)
-        resync = -(-RESYNC_STEPS // self.period_steps) if self.period_steps else 1
-        self.schedule = RoundSchedule(resync)
+        self.schedule = RoundSchedule()
         self.final_done = False
         # staggered syncs (`averaging/stagger.py`): by step only; one background sync per fragment
         self.num_fragments = outer.num_fragments if outer is not None and self.period_steps else 1
@@ -284,8 +218,15 @@ class ReplicaAverager:
         index: int | None = round_index
         while index is not None and not self.final_done:
             metrics = await self._run(index)
-            index = self.schedule.finished(alone=_alone(metrics))
+            index = self.schedule.finished(
+                complete=not self._short_rings(metrics), resync_index=self._resync_index()
+            )
         return metrics
+
+    def _resync_index(self) -> int:
+        """The round index out of phase (`RoundSchedule`): the wall clock's, the same at every replica."""
+        now = time.time()
+        return int(now // self.period_s) if self.period_s > 0 else int(now // RESYNC_S) * RESYNC_SLOTS
 
     def _start_fragment(self, round_index: int, fragment: int) -> None:
         """Start `fragment`'s sync in the background, unless its previous one still runs (skipped).
@@ -338,6 +279,13 @@ class ReplicaAverager:
                 self._start_fragment(*due)
         elif self.period_steps and step % self.period_steps == 0:
             self._start_round(step // self.period_steps)
+
+    def _short_rings(self, metrics: RoundMetrics | None) -> frozenset[str]:
+        """The rings of `metrics` that averaged without some member of the ring."""
+        if metrics is None:
+            return frozenset()
+        sizes = {s.ring_id: len(s.ring) for s in self.shard_map.shards}
+        return frozenset(r.ring_id for r in metrics.rings if len(r.participants) < sizes.get(r.ring_id, 0))
 
     @property
     def last_round_participants(self) -> int | None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from ravnest_p2p.averaging import RingMetrics, RoundMetrics
-from ravnest_p2p.training.replicas import RESYNC_STEPS, ReplicaAverager, RoundSchedule
+from ravnest_p2p.averaging import RingMetrics, RoundMetrics, Shard, ShardMap
+from ravnest_p2p.training.replicas import ReplicaAverager
+from ravnest_p2p.training.round_schedule import RESYNC_SLOTS, RoundSchedule
 from ravnest_p2p.utils.aio import TaskOwner
 
 
@@ -20,7 +21,9 @@ def _bare(period_steps: int) -> ReplicaAverager:
     replicas._round, replicas.skipped, replicas.final_done = None, 0, False
     replicas._tasks = TaskOwner("test")
     replicas.period_steps, replicas.final_step, replicas.num_fragments = period_steps, 10**9, 1
-    replicas.schedule = RoundSchedule(-(-RESYNC_STEPS // period_steps))
+    replicas.schedule, replicas.period_s = RoundSchedule(), 0.0
+    shard = Shard(index=0, ring_id="r", names=("n",), numels=(1,), owners=("a", "b"), ring=("a", "b"))
+    replicas.shard_map = ShardMap(epoch=0, shards=(shard,))
     return replicas
 
 
@@ -79,35 +82,48 @@ def test_schedule_defers_one_round_counts_the_rest_as_skipped_and_never_reuses_a
     assert schedule.due(6, busy=True) is None  # deferred
     assert schedule.due(7, busy=True) is None  # adds nothing
     assert schedule.skipped == 1
-    assert schedule.finished(alone=False) == 6  # the next index, not the newest due one (7)
-    assert schedule.finished(alone=False) is None  # nothing came due during round 6
+    assert schedule.finished(complete=True, resync_index=10**9) == 6  # the next index, not the newest (7)
+    assert schedule.finished(complete=True, resync_index=10**9) is None  # nothing came due meanwhile
     assert schedule.due(6, busy=False) == 7  # an index at or below the last one is never reused
     assert schedule.due(12, busy=False) == 12
+    # a member missing and nothing deferred (periods longer than rounds): the step index goes on
+    assert schedule.finished(complete=False, resync_index=10**9) is None
+    assert schedule.due(13, busy=False) == 13
 
 
-def test_a_replica_that_ran_alone_restarts_at_a_stride_of_the_step_index():
-    # out of phase (a late joiner after a re-plan, a round its partners finished without it): its
-    # deferred rounds would keep it out of phase, so it waits for a period index its partners also hit
-    schedule = RoundSchedule(resync_periods=4)
+def test_out_of_phase_the_deferred_round_takes_the_clocks_index_at_once():
+    schedule = RoundSchedule()
     assert schedule.due(9, busy=False) == 9
     assert schedule.due(10, busy=True) is None
-    assert schedule.finished(alone=True) is None  # the deferred round is dropped
-    assert [schedule.due(i, busy=False) for i in (11, 12)] == [None, 12]
-    assert schedule.due(13, busy=False) == 13  # back in phase: every period again
-    assert schedule.skipped == 2
+    assert schedule.finished(complete=False, resync_index=1000 * RESYNC_SLOTS) == 1000 * RESYNC_SLOTS
+    assert schedule.due(13, busy=False) == 1000 * RESYNC_SLOTS + 1  # then in lockstep, never below
+    assert schedule.due(14, busy=True) is None
+    assert schedule.finished(complete=False, resync_index=1000 * RESYNC_SLOTS) == 1000 * RESYNC_SLOTS + 2
 
 
-async def test_a_replica_alone_waits_for_the_stride_then_averages_every_step_again():
-    replicas = _bare(1)
-    ran: list[int] = []
+async def test_replicas_out_of_phase_take_the_same_wall_clock_index(monkeypatch):
+    # each ran its first round alone (steps apart: 1 and 7) with another due meanwhile; the next
+    # rounds, started as their first ones end, take the clock's index: the same at both
+    monkeypatch.setattr("ravnest_p2p.training.replicas.time.time", lambda: 2001.0)
+    replicas = {"a": _bare(1), "b": _bare(1)}
+    ran: dict[str, list[int]] = {"a": [], "b": []}
 
-    async def run(index: int, *, ring_ids: frozenset[str] | None = None) -> RoundMetrics:
-        ran.append(index)
-        return _metrics(index, ("a",) if index == 1 else ("a", "b"))
+    def make_run(who: str):
+        async def run(index: int, *, ring_ids: frozenset[str] | None = None) -> RoundMetrics:
+            ran[who].append(index)
+            if len(ran[who]) == 1:
+                await replicas[who].on_step(index + 1)  # due meanwhile
+                return _metrics(index, (who,))
+            return _metrics(index, ("a", "b"))
 
-    replicas._run = run  # type: ignore[method-assign]
-    for step in range(1, RESYNC_STEPS + 3):
-        await replicas.on_step(step)
-        await _until(lambda: replicas._round is None or replicas._round.done())
-    assert ran == [1, RESYNC_STEPS, RESYNC_STEPS + 1, RESYNC_STEPS + 2]
-    await replicas._tasks.aclose()
+        return run
+
+    for who, r in replicas.items():
+        r._run = make_run(who)  # type: ignore[method-assign]
+    await replicas["a"].on_step(1)
+    await replicas["b"].on_step(7)
+    await _until(lambda: len(ran["a"]) == len(ran["b"]) == 2)
+    assert ran["a"] == [1, 1000 * RESYNC_SLOTS]  # 2001 s // RESYNC_S (2 s) = 1000
+    assert ran["b"] == [7, 1000 * RESYNC_SLOTS]
+    for r in replicas.values():
+        await r._tasks.aclose()
