@@ -181,6 +181,7 @@ class ReplicaAverager:
         self.link_rates = link_rates  # the new plan's (a round under way keeps the rates it started with)
         self.final_step = final_step
         self._fragment_rings = fragment_rings(shard_map, self.num_fragments)  # the new map's ring ids
+        self.schedule.new_epoch()
         self.rings.expect(shard_map)
 
     async def start(self) -> None:

@@ -31,6 +31,9 @@ The rule (`RoundSchedule`):
 - A round without a deferred one behind it that misses a member changes nothing (periods longer than
   rounds: a late cluster still pairs by index within the ring's step deadline, as before).
 
+- A new plan (`ReplicaAverager.rebase`) starts the counter over: its rings are new, and a replica that
+  joins them fresh knows only the step index.
+
 Limits. Two groups whose rounds end on either side of a boundary take different indices once more
 (chance ~ the gap / `RESYNC_S`) and meet a round later. With a member dead for good every round
 misses it and takes the clock's index; those rounds still pair among the living if they end together.
@@ -74,6 +77,11 @@ class RoundSchedule:
         if not pending:
             return None
         return self._take(self.last + 1 if complete else resync_index)
+
+    def new_epoch(self) -> None:
+        """A new plan's rings (new ring ids): indices start over from the step index, which a replica
+        new to the rings (it has no counter) also takes."""
+        self.last = 0
 
     def _take(self, index: int) -> int:
         self.last = max(index, self.last + 1)

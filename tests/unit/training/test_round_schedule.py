@@ -99,6 +99,8 @@ def test_out_of_phase_the_deferred_round_takes_the_clocks_index_at_once():
     assert schedule.due(13, busy=False) == 1000 * RESYNC_SLOTS + 1  # then in lockstep, never below
     assert schedule.due(14, busy=True) is None
     assert schedule.finished(complete=False, resync_index=1000 * RESYNC_SLOTS) == 1000 * RESYNC_SLOTS + 2
+    schedule.new_epoch()  # new rings: back to the step index, as a replica new to them takes
+    assert schedule.due(20, busy=False) == 20
 
 
 async def test_replicas_out_of_phase_take_the_same_wall_clock_index(monkeypatch):
