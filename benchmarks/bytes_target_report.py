@@ -7,6 +7,9 @@ the next periodic record, up to 2 s later: bytes and wall a little late, never e
 (step // eval_every) the clusters' losses are averaged (each cluster evaluates its own replica), bytes
 are the mean per peer (= per cluster: one stage each) and wall is the slowest cluster's. The last point
 is the final metrics, after the closing round.
+
+Seeds: every run carries its job's `seed` (data order and initial weights); each seed's runs are compared
+with that seed's "every step" (its target), and the per-mode table gives the spread over seeds.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import record
+from benchmarks.harness import _markdown_table, record
 
-__all__ = ["curve", "to_target", "write_results"]
+__all__ = ["by_mode", "curve", "summarise", "to_target", "write_results"]
 
 
 def curve(result: dict[str, Any], every: int) -> dict[str, Any]:
@@ -76,7 +79,54 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per run: final loss vs every step's, bytes and wall to every step's final loss, and the ratios."""
+    """Per run: final loss vs its seed's every step, bytes and wall to that final loss, and the ratios."""
+    seeds: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        seeds.setdefault(r.get("seed", 0), []).append(r)
+    return [{"seed": seed, **row} for seed, group in seeds.items() for row in _summarise_seed(group)]
+
+
+def _spread(values: list[float | None], digits: int = 3) -> str | None:
+    """'mean (min-max)' of the values, or None if any is missing (a seed did not get there)."""
+    if not values or any(v is None for v in values):
+        return None
+    got = [float(v) for v in values if v is not None]
+    mean = round(sum(got) / len(got), digits)
+    return (
+        f"{mean:g}"
+        if len(got) == 1
+        else f"{mean:g} ({round(min(got), digits):g}-{round(max(got), digits):g})"
+    )
+
+
+def by_mode(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per mode, over seeds: mean (min-max) of the final loss ratio, bytes and the x-fewer figures."""
+    modes: dict[str, list[dict[str, Any]]] = {}
+    for row in summary:
+        modes.setdefault(row["mode"], []).append(row)
+    out = []
+    for mode, runs in modes.items():
+        out.append(
+            {
+                "mode": mode,
+                "seeds": len(runs),
+                "final_vs_every_step": _spread([r["final_vs_every_step"] for r in runs], 4),
+                "final_mb_per_peer": _spread([r["final_mb_per_peer"] for r in runs]),
+                "mb_to_2pct": _spread([r["mb_to_2pct"] for r in runs], 4),
+                "x_vs_every_step_2pct": _spread([r["x_vs_every_step_2pct"] for r in runs], 1),
+                "x_vs_periodic_2pct": _spread([r["x_vs_periodic_2pct"] for r in runs], 1),
+                "mb_to_target": _spread([r["mb_to_target"] for r in runs], 4),
+                "x_vs_every_step": _spread([r["x_vs_every_step"] for r in runs], 1),
+                "x_vs_periodic": _spread([r["x_vs_periodic"] for r in runs], 1),
+                "wall_s_to_2pct": _spread([r["wall_s_to_2pct"] for r in runs], 1),
+                "rounds_all_replicas": ", ".join(str(r["rounds_all_replicas"]) for r in runs),
+                "load_1min": _spread([r["load_1min"] for r in runs], 1),
+            }
+        )
+    return out
+
+
+def _summarise_seed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     every = next(r for r in rows if r["mode"] == "every step")
     target = every["final_loss"]
     reached = {r["mode"]: to_target(r["points"], target) for r in rows}
@@ -131,15 +181,22 @@ def _plot(rows: list[dict[str, Any]], target: float, path: Path, title: str) -> 
     import matplotlib.pyplot as plt
 
     fig, (by_bytes, by_wall) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for i, r in enumerate(rows):
+    colours = {m: f"C{i % 10}" for i, m in enumerate(dict.fromkeys(r["mode"] for r in rows))}
+    for r in rows:
         pts = r["points"]
-        style: dict[str, Any] = {"color": f"C{i % 10}", "marker": ".", "label": r["mode"]}
+        seed = r.get("seed", 0)
+        style: dict[str, Any] = {
+            "color": colours[r["mode"]],
+            "marker": ".",
+            "label": f"{r['mode']} (seed {seed})",
+        }
+        style["linestyle"] = ("-", ":", "-.", "--")[seed % 4]
         if r["mode"].startswith("every step"):
-            style.update(color="black" if r["mode"] == "every step" else "grey", linestyle="--")
+            style.update(color="black")
         by_bytes.plot([max(p["bytes_per_peer"], 1e3) for p in pts], [p["loss"] for p in pts], **style)
         by_wall.plot([p["wall_s"] for p in pts], [p["loss"] for p in pts], **style)
     for ax in (by_bytes, by_wall):
-        ax.axhline(target, color="red", linestyle=":", label="target (every step's final)")
+        ax.axhline(target, color="red", linestyle=":", label="target (every step's final, first seed)")
         ax.set_ylabel("held-out loss (mean of clusters)")
     by_bytes.set_xscale("log")
     by_bytes.set_xlabel("cross-cluster bytes sent per peer (averaging payload; 0 drawn at 1e3)")
@@ -153,28 +210,34 @@ def _plot(rows: list[dict[str, Any]], target: float, path: Path, title: str) -> 
 def write_results(rows: list[dict[str, Any]], config: dict[str, Any], *, name: str) -> None:
     """`<name>.{json,md,png}` in benchmarks/results: the summary, the config, every run's curve."""
     summary = summarise(rows)
-    target = next(r["final_loss"] for r in rows if r["mode"] == "every step")
+    targets = {r.get("seed", 0): round(r["final_loss"], 4) for r in rows if r["mode"] == "every step"}
+    target = next(iter(targets.values()))
     notes = (
         f"{config['clusters']} clusters x 1 stage of {config['model']} on char_corpus, lab namespaces, htb "
         f"{config['link_mbps']:g} Mbit/s per peer up and down, equal cgroup CPU caps (1.8 CPUs in all), "
         f"batch 16 x 64 tokens, {config['steps']} micro-batches per cluster in every run (the token "
         f"budget), held-out loss (128 windows) every {config['eval_every']} micro-batches; runs one after "
-        f"the other in one lab, in this order: {config['order']}. Target: every step's final held-out "
-        f"loss, {target:.4f}. Bytes: each stage's averaging_bytes_sent (tensor payload of its finished "
-        "rounds), mean per peer; wall: train_wall_s of the slowest cluster at that evaluation. The final "
-        "point (after the closing fp32 round) counts that round's bytes. x_vs_a_round_every_step: against "
-        "every step's mean bytes per round x the steps it took to the target (a computed figure: on the lab "
-        "a round takes longer than a step, so 'every step' starts the next round when the last one ends). "
-        "rounds: the fewest finished rounds of a peer (closing round included); rounds_all_replicas: "
-        "peer-rounds (closing excluded) in which all 4 replicas averaged, of those started (peers' logs). "
-        "A round's bytes include its failed attempts' (a ring retries without a member that fell behind). "
+        f"the other in one lab, in this order: {config['order']}, for seeds {config.get('seeds', [0])} "
+        "(the job's seed: data order and initial weights; the second seed's runs in reversed order). "
+        f"Target per seed: that seed's every step's final held-out loss, {targets}. Bytes: each "
+        "stage's averaging_bytes_sent (tensor payload of its finished rounds), mean per peer; wall: "
+        "train_wall_s of the slowest cluster at that evaluation. The final point (after the closing "
+        "round: fp32, or the Δ codec where the anchors agree) counts that round's bytes. "
+        "x_vs_a_round_every_step: against every step's mean bytes per round x the steps it took to the "
+        "target. rounds: the fewest finished rounds of a peer (closing round included); "
+        "rounds_all_replicas: peer-rounds (closing excluded) in which all 4 replicas averaged, of those "
+        "started (peers' logs). A round's bytes include its failed attempts' (a ring retries without a "
+        "member that fell behind). "
         "_2pct columns: the same to 1.02 x the target (the goal's tolerance). "
         "Loads: the host's 1-minute load "
         f"average sampled by the driver during each run; at start / end {config['load_1min_start_end']}. "
-        f"Took {config['took_s']} s."
+        f"Took {config['took_s']} s. First table: per mode over seeds, mean (min-max); then every run."
     )
-    json_path = record(name, summary, notes=notes)
+    json_path = record(name, by_mode(summary), notes=notes)
+    md_path = json_path.with_suffix(".md")
+    md_path.write_text(md_path.read_text() + "\n### Every run\n\n" + _markdown_table(summary))
     payload = json.loads(json_path.read_text())
+    payload["per_run"] = summary
     payload["config"] = config
     payload["runs"] = rows
     json_path.write_text(json.dumps(payload, indent=1) + "\n")

@@ -1,7 +1,8 @@
 """Multi-ring all-reduce across clusters: shard map, rings, delayed averaging, outer optimizer."""
 
 from ravnest_p2p.averaging.base import RingConfig, RingMetrics, RoundMetrics
-from ravnest_p2p.averaging.outer import OuterAverager, OuterOptimizer, OuterOptimizerConfig
+from ravnest_p2p.averaging.outer import OuterOptimizer, OuterOptimizerConfig
+from ravnest_p2p.averaging.outer_averager import OuterAverager
 from ravnest_p2p.averaging.overlap import Averager, AveragerConfig, delayed_average, wait_for_period_boundary
 from ravnest_p2p.averaging.pseudograd import DeltaCompression
 from ravnest_p2p.averaging.ring import RingAllReduce

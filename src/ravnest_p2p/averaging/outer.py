@@ -46,8 +46,15 @@ residual stay as they were, and θ_local is not reset, so its progress is in its
 of a ring attempt applies the same mean or none does (the ring's commit rule, `commit.py`). A member
 left alone (or cut off) then holds an older anchor than the others; it re-converges (the difference
 contracts by ~0.5 per sync at lr 0.7, μ 0.9) but is not bit-identical again until a state transfer.
-The closing round (`wait_for_all`) is therefore a plain average of θ_local, as without an outer
-optimizer: the replicas end training identical.
+The closing round (`wait_for_all`, `outer_averager.py`) must leave the replicas bit-identical. Without a
+Δ codec it is a plain fp32 average of θ_local. With one it sends Δ + residual (the residual folded in,
+so nothing compression held back is lost at the end) under the ring's codec (top-k rings: int8) and
+every member ends at anchor - Δ̄: ~8x fewer bytes in int4, identical wherever the anchors are. The
+names of a ring that once synced without all its members are in `diverged` at every member that saw
+it (conservative: a member left alone holds another anchor, a late member that took the others' step
+does not): those rings close plainly; if members disagree (one missed a sync unknowingly) their codecs
+differ, the ring refuses the streams, and every member closes that ring again plainly (round index +
+1). Imported outer state counts as diverged.
 
 Re-plan. The state is keyed by global parameter name, like `training/stage_state.py`: `export_state`
 gives ``outer/<name>/<slot>`` tensors, `import_state` takes them (any subset; a new owner of some layers
@@ -59,24 +66,17 @@ weights when the averager starts. Codec per ring: `codec_choice.py`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
-from ravnest_p2p.averaging.base import RoundMetrics
-from ravnest_p2p.averaging.codec_choice import codec_for_rate, ring_rate_mbps
 from ravnest_p2p.averaging.deltawire import WireCodec
-from ravnest_p2p.averaging.overlap import Averager, AveragerConfig, ReadFn, WriteFn
 from ravnest_p2p.averaging.pseudograd import DeltaCompression, compress, encoded_bytes
-from ravnest_p2p.averaging.ring import RingAllReduce
-from ravnest_p2p.averaging.session import LinkRates
-from ravnest_p2p.averaging.shards import ShardMap
-from ravnest_p2p.utils.aio import run_in_compute_thread
 
-__all__ = ["OUTER_PREFIX", "OUTER_SLOTS", "OuterAverager", "OuterOptimizer", "OuterOptimizerConfig"]
+__all__ = ["OUTER_PREFIX", "OUTER_SLOTS", "OuterOptimizer", "OuterOptimizerConfig"]
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +165,9 @@ class OuterOptimizer:
         self._pending: dict[str, Tensor] = {}  # residuals of the sync in progress
         self._pending_momentum: dict[str, Tensor] = {}  # local momentum of the sync in progress
         self.payload_bytes = 0  # encoded size of the last sync's pseudo-gradients
+        # names whose anchor may differ from the other replicas' (a sync without every ring member, or
+        # imported state): their closing round is a plain average (`OuterAverager`)
+        self.diverged: set[str] = set()
 
     @property
     def wire(self) -> WireCodec | None:
@@ -376,6 +379,34 @@ class OuterOptimizer:
             out[name] = (self.theta[name] - c).to(averaged[name].dtype)
         return out
 
+    # ----- the closing round with a Δ codec ------------------------------------------------------
+    def closing_deltas(self, snapshot: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The closing round's payload under a Δ codec: Δ + residual per name (no momentum, no top-k).
+
+        The residual is folded in: what compression held back reaches the final weights.
+        """
+        c = self.config
+        out: dict[str, Tensor] = {}
+        for name, local in snapshot.items():
+            if name not in self.theta:
+                self.theta[name] = local.detach().to(torch.float32).clone()
+            delta = self.theta[name] - local.detach().to(torch.float32)
+            if c.error_feedback and name in self.residual and not c.unsent_stays_local:
+                delta = delta + self._carried(name)
+            out[name] = delta
+        return out
+
+    def close(self, averaged: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The final weights from the closing round's mean Δ̄: anchor - Δ̄ (the same at every replica
+        whose anchor is the same); the residual is spent."""
+        out: dict[str, Tensor] = {}
+        for name, mean in averaged.items():
+            new = self.theta[name] - mean.to(torch.float32)
+            self.theta[name] = new
+            self.residual.pop(name, None)
+            out[name] = new.to(mean.dtype)
+        return out
+
     # ----- moving with the stage state -----------------------------------------------------------
     def export_state(self, names: Collection[str] | None = None, *, copy: bool = True) -> dict[str, Tensor]:
         """The outer state as ``outer/<name>/<slot>`` (slots: theta, momentum, residual).
@@ -412,148 +443,7 @@ class OuterOptimizer:
         for name in parsed["theta"]:
             self.momentum.pop(name, None)
             self.residual.pop(name, None)
+        self.diverged.update(parsed["theta"])  # maybe not the other replicas' anchor
         self.theta.update(parsed["theta"])
         self.momentum.update(parsed["momentum"])
         self.residual.update(parsed["residual"])
-
-
-class OuterAverager(Averager):
-    """`Averager` whose rounds are outer-optimizer syncs (same schedule, rings and delayed apply).
-
-    Args:
-        outer: this owner's outer state; anchor it (`OuterOptimizer.initialise`) before the first round.
-        (the rest as `Averager`.)
-    """
-
-    def __init__(
-        self,
-        config: AveragerConfig,
-        rings: RingAllReduce,
-        *,
-        outer: OuterOptimizer,
-        read: ReadFn,
-        write: WriteFn,
-        shard_map: Callable[[], ShardMap | None],
-        link_rates: Callable[[], LinkRates | None] | None = None,
-    ) -> None:
-        super().__init__(config, rings, read=read, write=write, shard_map=shard_map, link_rates=link_rates)
-        self.outer = outer
-        self._closing = False
-        self._lost: dict[str, Tensor] = {}
-        self._kind_of: dict[str, DeltaCompression] = {}  # name -> its ring's codec in the latest sync
-        self._sent: Mapping[str, Tensor] = {}  # what this sync sent (a late member's own Δ)
-        self._late: set[str] = set()  # names whose ring averaged without this member (it was late)
-        self.payload_bytes: list[int] = []  # per round: the encoded pseudo-gradients' size
-
-    async def run_round(
-        self, round_index: int, *, wait_for_all: bool = False, ring_ids: Collection[str] | None = None
-    ) -> RoundMetrics | None:
-        """An outer sync; the closing round (`wait_for_all`) is a plain average of the replicas.
-
-        Why plain at the end: after it the replicas must agree, and an outer step depends on each
-        owner's anchor, which differs at a member a ring once left out; the ring's average does not.
-        """
-        self._closing = wait_for_all
-        try:
-            return await super().run_round(round_index, wait_for_all=wait_for_all, ring_ids=ring_ids)
-        finally:
-            self._closing = False
-
-    def _ring_kinds(self, shard_map: ShardMap) -> dict[str, DeltaCompression]:
-        """Ring id -> its codec this sync (`codec_choice.py`; the job's `compression` without a table)."""
-        c = self.outer.config
-        rates = None if self._link_rates is None or not c.codec_by_link_mbps else self._link_rates()
-        return {
-            s.ring_id: codec_for_rate(c.codec_by_link_mbps, ring_rate_mbps(s.ring, rates), c.compression)
-            for s in shard_map.shards_of(self.rings.peer_id)
-        }
-
-    async def _all_reduce(
-        self,
-        shard_map: ShardMap,
-        outgoing: Mapping[str, Tensor],
-        round_index: int,
-        rates: LinkRates | None,
-        wait_for_all: bool,
-        ring_ids: Collection[str],
-    ) -> tuple[dict[str, Tensor], RoundMetrics]:
-        kinds = self._ring_kinds(shard_map)
-        wire = None if self._closing else {r: self.outer.wire_of(k) for r, k in kinds.items()}
-        # a late member takes the others' step (`step_late`); not with local momentum (its own Δ went
-        # through its momentum already) and not in the closing round (a plain average)
-        adopt = not (self._closing or self.outer.config.local_momentum)
-        averaged, metrics = await self.rings.all_reduce(
-            shard_map,
-            outgoing,
-            round_index=round_index,
-            link_rates=rates,
-            wait_for_all=wait_for_all,
-            ring_ids=ring_ids,
-            wire=wire,
-            errors=self._lost,
-            adopt_late=adopt,
-        )
-        me = self.rings.peer_id
-        late = {r.ring_id for r in metrics.rings if len(r.participants) > 1 and me not in r.participants}
-        self._late = {n for s in shard_map.shards if s.ring_id in late for n in s.names}
-        return averaged, metrics
-
-    def _by_kind(self, names: Collection[str]) -> dict[DeltaCompression, list[str]]:
-        groups: dict[DeltaCompression, list[str]] = {}
-        for name in names:
-            groups.setdefault(self._kind_of.get(name, self.outer.config.compression), []).append(name)
-        return groups
-
-    async def _outgoing(self, snapshot: dict[str, Tensor]) -> Mapping[str, Tensor]:
-        if self._closing:
-            return snapshot
-        outer = self.outer
-        shard_map = self._shard_map()
-        if shard_map is not None:  # the names of this sync only: fragments' syncs may overlap
-            kinds = self._ring_kinds(shard_map)
-            for shard in shard_map.shards_of(self.rings.peer_id):
-                mine = (n for n in shard.names if n in snapshot)
-                self._kind_of.update(dict.fromkeys(mine, kinds[shard.ring_id]))
-        for name in snapshot:
-            self._lost.pop(name, None)
-
-        def encode() -> tuple[dict[str, Tensor], int]:  # on the compute thread: no other sync between
-            out: dict[str, Tensor] = {}
-            nbytes = 0
-            for kind, names in self._by_kind(snapshot).items():
-                part = {n: snapshot[n] for n in names}
-                if kind is DeltaCompression.NONE:
-                    out.update(outer.outgoing(part, kind))
-                else:
-                    out.update(outer.outgoing_deltas(part, kind))
-                nbytes += outer.payload_bytes
-            return out, nbytes
-
-        out, nbytes = await run_in_compute_thread(encode)
-        self.payload_bytes.append(nbytes)
-        self._sent = out
-        return out
-
-    async def _incoming(self, averaged: dict[str, Tensor]) -> dict[str, Tensor]:
-        if self._closing:
-            return averaged
-        outer = self.outer
-
-        late, sent = self._late, self._sent
-        self._late, self._sent = set(), {}
-
-        def step() -> dict[str, Tensor]:
-            out: dict[str, Tensor] = {}
-            for kind, names in self._by_kind(averaged).items():
-                part = {n: averaged[n] for n in names if n not in late}
-                left_out = {n: averaged[n] for n in names if n in late}
-                if left_out:
-                    out.update(outer.step_late(left_out, sent, kind))
-                if kind is DeltaCompression.NONE:
-                    out.update(outer.step(part))
-                else:
-                    lost = {n: self._lost.pop(n) for n in names if n in self._lost}
-                    out.update(outer.step_deltas(part, lost))
-            return out
-
-        return await run_in_compute_thread(step)

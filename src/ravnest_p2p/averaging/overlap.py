@@ -19,8 +19,9 @@ numbered by wall-clock period (`period_s`) or by local step count (`period_steps
 round number, so in step mode clusters must step at similar rates (a lagging one joins the next round and
 is dropped from rounds it misses by more than the deadline). A round that comes due while one runs starts
 when that one ends (the newest due round wins): skipping it let two partners lock out of phase, one
-running the even rounds and the other the odd, each round alone (seen on the lab; `training/replicas.py`
-schedules the same way).
+running the even rounds and the other the odd, each round alone (seen on the lab). `training/replicas.py`
+does not use this loop: its rounds take indices every replica agrees on even when they outlast the
+period (`training/round_schedule.py`).
 """
 
 from __future__ import annotations

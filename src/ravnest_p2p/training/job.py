@@ -88,6 +88,9 @@ class JobSpec(_Config):
         averaging_period_steps: average replicas across clusters every this many micro-batches.
         averaging_period_s: average every this many seconds of wall clock instead (overrides the
             steps; pairs clusters that run at different speeds).
+        averaging_compression: the replicas' periodic averaging on the wire: ``none`` (fp32) or ``fp16``
+            (half the bytes; every replica still ends a round with the same bits). Not with
+            `outer_optimizer`, which compresses its pseudo-gradients itself (`outer_optimizer.compression`).
         assignment: explicit clusters (each an ordered list of stages) instead of the planner's plan.
         checkpoint_every_steps / checkpoint_every_s / checkpoint_keep_last: stage checkpoints (see
             docs/checkpoints.md; written where the peer keeps them, nowhere if it keeps none).
@@ -123,6 +126,7 @@ class JobSpec(_Config):
     eval_batch_size: int = Field(default=256, ge=1)
     averaging_period_steps: int = Field(default=0, ge=0)
     averaging_period_s: float = Field(default=0.0, ge=0, le=86_400)
+    averaging_compression: Compression = Compression.NONE
     outer_optimizer: OuterOptimizerConfig | None = None
     assignment: tuple[tuple[StagePlacement, ...], ...] | None = None
     checkpoint_every_steps: int = Field(default=0, ge=0)
@@ -146,6 +150,14 @@ class JobSpec(_Config):
             )
         if fragments > (self.averaging_period_steps or fragments):
             raise ValueError("outer_optimizer.num_fragments must not exceed averaging_period_steps (H)")
+        wire = self.averaging_compression
+        if wire not in (Compression.NONE, Compression.FP16):
+            raise ValueError(f"averaging_compression must be 'none' or 'fp16', not {wire.value!r}")
+        if wire is not Compression.NONE and self.outer_optimizer is not None:
+            raise ValueError(
+                "averaging_compression applies to plain averaging; with outer_optimizer compress the "
+                "pseudo-gradients instead (outer_optimizer.compression)"
+            )
         return self
 
     @model_validator(mode="after")

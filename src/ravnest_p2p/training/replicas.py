@@ -2,24 +2,22 @@
 
 Every stage owner of every cluster derives the same shard map from the job's assignment (parameters
 keyed by global name, cut at every cluster's stage boundaries) and joins the rings of the shards it owns.
-Rounds are paired by optimizer step — round r starts on each replica when it finishes step
-r x `averaging_period_steps` — or, with `averaging_period_s`, by wall-clock period: round r starts at
-r x period seconds of the epoch clock on every replica, which keeps clusters of different speeds
-pairing up (by step, a faster cluster drifts ahead until its partners arrive after the deadline and
-every round runs alone; seen on the lab). A round runs in the background (delayed averaging: the
-average of the snapshot, plus what the stage learned meanwhile). A round that comes due while the
-previous one still runs is deferred: it starts as soon as that one ends (a newer due round replaces a
-deferred one, which then counts as skipped). Skipping it instead locked partners out of phase on the
-lab: a round that waited for a partner outlasted the 1 s period, so each replica ran every other round,
-one the even ones and its partner the odd ones, and every round ran alone. A deferred round still
-pairs: the partner's stream waits for it (up to the ring's step deadline).
+Rounds are paired by index: round r comes due on each replica when it finishes step
+r x `averaging_period_steps` — or, with `averaging_period_s`, at r x period seconds of the epoch clock
+on every replica, which keeps clusters of different speeds pairing up (by step, a faster cluster drifts
+ahead until its partners arrive after the deadline and every round runs alone; seen on the lab). A round
+runs in the background (delayed averaging: the average of the snapshot, plus what the stage learned
+meanwhile). A round that comes due while the previous one runs starts when that one ends, under the
+next index; replicas that fall out of phase meet again under a wall-clock index (the rule, and why:
+`training/round_schedule.py`).
 
 At the last step every stage runs one more round synchronously, holding its pipeline work, so the
 replicas end training with identical weights (and evaluation sees them).
 
 With the job's `outer_optimizer`, every periodic round is an outer-optimizer sync instead
 (`averaging/outer.py`: averaged pseudo-gradients, an outer Nesterov step on a shared anchor); the
-schedule, rings and delayed apply are the same; the closing round stays a plain average. Its state
+schedule, rings and delayed apply are the same; the closing round is coded under a Δ codec where the
+replicas' anchors agree (`averaging/outer_averager.py`). Its state
 can move with the stage (`export_outer_state` / `import_outer_state`). With its `num_fragments` > 1
 (by step only) the syncs are staggered (`averaging/stagger.py`, Streaming DiLoCo): one fragment of the
 rings starts a sync every H / num_fragments steps, in the background; fragments' syncs may overlap, a
@@ -32,6 +30,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 from collections.abc import Mapping
 
 import torch
@@ -54,11 +53,18 @@ from ravnest_p2p.averaging.stagger import due_fragment, fragment_rings
 from ravnest_p2p.models import build_layers
 from ravnest_p2p.runtime.stage import StageExecutor
 from ravnest_p2p.training.job import JobSpec
+from ravnest_p2p.training.round_schedule import RESYNC_S, RESYNC_SLOTS, RoundSchedule
 from ravnest_p2p.transport.rpc import RpcEndpoint
 from ravnest_p2p.utils import TaskOwner
 from ravnest_p2p.utils.aio import run_in_compute_thread
 
-__all__ = ["FINAL_ROUND", "ReplicaAverager", "shard_map_for", "stage_entries", "tensor_digests"]
+__all__ = [
+    "FINAL_ROUND",
+    "ReplicaAverager",
+    "shard_map_for",
+    "stage_entries",
+    "tensor_digests",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -160,8 +166,8 @@ class ReplicaAverager:
         self._round: asyncio.Task[RoundMetrics | None] | None = None
         self._tasks = TaskOwner("replica-averager")
         self.rounds: list[RoundMetrics] = []
-        self.skipped = 0
-        self._deferred: int | None = None  # a round that came due while the previous one ran
+        self.skipped = 0  # staggered syncs skipped (a fragment's previous sync still ran)
+        self.schedule = RoundSchedule()
         self.final_done = False
         # staggered syncs (`averaging/stagger.py`): by step only; one background sync per fragment
         self.num_fragments = outer.num_fragments if outer is not None and self.period_steps else 1
@@ -175,6 +181,7 @@ class ReplicaAverager:
         self.link_rates = link_rates  # the new plan's (a round under way keeps the rates it started with)
         self.final_step = final_step
         self._fragment_rings = fragment_rings(shard_map, self.num_fragments)  # the new map's ring ids
+        self.schedule.new_epoch()
         self.rings.expect(shard_map)
 
     async def start(self) -> None:
@@ -197,24 +204,30 @@ class ReplicaAverager:
             if not self.final_done:
                 self._start_round(index)
 
-    def _start_round(self, round_index: int) -> None:
-        if self._round is not None and not self._round.done():
-            if self._deferred is not None:
-                self.skipped += 1
-            self._deferred = round_index
-            logger.info("averaging round %d deferred: the previous one is still running", round_index)
-            return
-        self._round = self._tasks.spawn(self._rounds_from(round_index), name="round")
+    def _start_round(self, period_index: int) -> None:
+        """Period `period_index` came due: start its round, or defer it (`RoundSchedule`)."""
+        busy = self._round is not None and not self._round.done()
+        index = self.schedule.due(period_index, busy=busy)
+        if busy:
+            logger.info("averaging round of period %d deferred: the previous one runs", period_index)
+        elif index is not None:
+            self._round = self._tasks.spawn(self._rounds_from(index), name="round")
 
     async def _rounds_from(self, round_index: int) -> RoundMetrics | None:
-        """Run `round_index`, then whichever round came due meanwhile, until none did."""
-        metrics, index = None, round_index
-        while not self.final_done:
+        """Run `round_index`, then the next one if one came due meanwhile, until none did."""
+        metrics: RoundMetrics | None = None
+        index: int | None = round_index
+        while index is not None and not self.final_done:
             metrics = await self._run(index)
-            if self._deferred is None:
-                break
-            index, self._deferred = self._deferred, None
+            index = self.schedule.finished(
+                complete=not self._short_rings(metrics), resync_index=self._resync_index()
+            )
         return metrics
+
+    def _resync_index(self) -> int:
+        """The round index out of phase (`RoundSchedule`): the wall clock's, the same at every replica."""
+        now = time.time()
+        return int(now // self.period_s) if self.period_s > 0 else int(now // RESYNC_S) * RESYNC_SLOTS
 
     def _start_fragment(self, round_index: int, fragment: int) -> None:
         """Start `fragment`'s sync in the background, unless its previous one still runs (skipped).
@@ -267,6 +280,13 @@ class ReplicaAverager:
                 self._start_fragment(*due)
         elif self.period_steps and step % self.period_steps == 0:
             self._start_round(step // self.period_steps)
+
+    def _short_rings(self, metrics: RoundMetrics | None) -> frozenset[str]:
+        """The rings of `metrics` that averaged without some member of the ring."""
+        if metrics is None:
+            return frozenset()
+        sizes = {s.ring_id: len(s.ring) for s in self.shard_map.shards}
+        return frozenset(r.ring_id for r in metrics.rings if len(r.participants) < sizes.get(r.ring_id, 0))
 
     @property
     def last_round_participants(self) -> int | None:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from torch import Tensor
 
-from ravnest_p2p.averaging import ShardMap
+from ravnest_p2p.averaging import RingConfig, ShardMap
 from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.runtime.service import StageService
 from ravnest_p2p.training.data import ArrayDataset
@@ -76,6 +76,7 @@ class InPlaceMoves:
             period_s=job.averaging_period_s,
             final_step=final_step,
             outer=job.outer_optimizer,
+            config=RingConfig(compression=job.averaging_compression),
             link_rates=self.role.plan_link_rates,  # the agreed plan's, alike at every ring member
         )
         executor = self.service.executor

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import torch
 
 from ravnest_p2p.averaging import RingMetrics, RoundMetrics
@@ -11,7 +9,6 @@ from ravnest_p2p.client import newest_epoch
 from ravnest_p2p.node import rerun_allowed
 from ravnest_p2p.training.metrics import StageMetrics
 from ravnest_p2p.training.replicas import ReplicaAverager, tensor_digests
-from ravnest_p2p.utils.aio import TaskOwner
 
 
 def test_digests_match_exactly_equal_tensors_only():
@@ -65,35 +62,6 @@ def test_last_round_participants_is_the_fewest_over_the_stage_rings():
         )
     )
     assert replicas.last_round_participants == 1
-
-
-async def test_a_round_due_while_one_runs_starts_when_it_ends_and_the_newest_due_one_wins():
-    # skipping it instead locked two partners out of phase: one ran the even rounds, the other the odd
-    replicas = ReplicaAverager.__new__(ReplicaAverager)  # only the round scheduling matters here
-    replicas._round, replicas._deferred, replicas.skipped, replicas.final_done = None, None, 0, False
-    replicas._tasks = TaskOwner("test")
-    ran: list[int] = []
-    release = asyncio.Event()
-
-    async def run(index: int) -> None:
-        ran.append(index)
-        if index == 1:
-            await release.wait()
-
-    replicas._run = run  # type: ignore[method-assign]
-    replicas._start_round(1)
-    await asyncio.sleep(0)
-    replicas._start_round(2)  # due while 1 runs: deferred
-    replicas._start_round(3)  # newer: replaces 2
-    assert (ran, replicas.skipped) == ([1], 1)
-    release.set()
-    assert replicas._round is not None
-    await asyncio.wait_for(replicas._round, 5)
-    assert ran == [1, 3]
-    replicas._start_round(4)
-    await asyncio.wait_for(replicas._round, 5)
-    assert ran == [1, 3, 4]
-    await replicas._tasks.aclose()
 
 
 def _metrics(peer: str, epoch: int, **fields: object) -> StageMetrics:

@@ -11,7 +11,7 @@ from ravnest_p2p.utils import TaskOwner
 
 async def test_fragments_start_in_turn_overlap_each_other_and_a_busy_one_skips():
     replicas = ReplicaAverager.__new__(ReplicaAverager)  # only the scheduling matters here
-    replicas._round, replicas._deferred, replicas.skipped, replicas.final_done = None, None, 0, False
+    replicas._round, replicas.skipped, replicas.final_done = None, 0, False
     replicas._tasks = TaskOwner("test")
     replicas.period_steps, replicas.final_step, replicas.num_fragments = 4, 100, 2
     replicas._fragment_rings = [frozenset({"a"}), frozenset({"b", "c"})]
@@ -45,3 +45,17 @@ def test_jobspec_staggered_syncs_need_a_step_period_at_least_the_fragment_count(
         JobSpec.model_validate({"averaging_period_steps": 3, "outer_optimizer": {"num_fragments": 4}})
     with pytest.raises(ValueError, match="by step"):
         JobSpec.model_validate({"averaging_period_s": 10.0, "outer_optimizer": {"num_fragments": 2}})
+
+
+def test_jobspec_picks_the_periodic_averaging_wire_dtype_and_refuses_the_rest():
+    job = JobSpec.model_validate({"averaging_period_steps": 8, "averaging_compression": "fp16"})
+    assert job.averaging_compression == "fp16"
+    assert JobSpec.model_validate({"averaging_period_steps": 8}).averaging_compression == "none"
+    with pytest.raises(ValueError, match="'none' or 'fp16', not 'uniform8bit'"):
+        JobSpec.model_validate({"averaging_period_steps": 8, "averaging_compression": "uniform8bit"})
+    with pytest.raises(ValueError, match="averaging_compression"):
+        JobSpec.model_validate({"averaging_period_steps": 8, "averaging_compression": "fp8"})
+    with pytest.raises(ValueError, match=r"outer_optimizer\.compression"):
+        JobSpec.model_validate(
+            {"averaging_period_steps": 8, "averaging_compression": "fp16", "outer_optimizer": {}}
+        )
