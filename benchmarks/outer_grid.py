@@ -42,6 +42,27 @@ CODECS: dict[str, dict[str, object]] = {
         "topk_bits": 2,
         "unsent_stays_local": True,
     },
+    "topk25": {  # a quarter of each chunk at 4 bits: top-k within 1 % of uncompressed at long H
+        "compression": DeltaCompression.TOPK,
+        "topk_fraction": 0.25,
+        "topk_chunk": 4096,
+        "topk_bits": 4,
+        "unsent_stays_local": True,
+    },
+    "topk50": {  # half of each chunk at 4 bits
+        "compression": DeltaCompression.TOPK,
+        "topk_fraction": 0.5,
+        "topk_chunk": 4096,
+        "topk_bits": 4,
+        "unsent_stays_local": True,
+    },
+    "topkef": {  # 10 % at 2 bits with the classic residual (re-sent from e) instead of kept in θ
+        "compression": DeltaCompression.TOPK,
+        "topk_fraction": 0.1,
+        "topk_chunk": 4096,
+        "topk_bits": 2,
+        "unsent_stays_local": False,
+    },
 }
 
 
