@@ -141,7 +141,7 @@ class OuterAverager(Averager):
             outgoing,
             round_index=round_index,
             link_rates=rates,
-            wait_for_all=wait_for_all,
+            wait_for_all=wait_for_all or self.outer.config.wait_for_behind,
             ring_ids=ring_ids,
             wire={r: self.outer.wire_of(k) for r, k in kinds.items()},
             errors=None if self._closing else self._lost,

@@ -120,7 +120,8 @@ async def test_a_member_late_for_a_ring_takes_the_step_the_others_took(swarm, mo
     deadline). It fetches their mean and takes the same outer step: anchors and momentum stay identical."""
     _, servers, shard_map, owner_values, _ = swarm
     cluster_of = {p: c for p, (c, _) in owner_values.items()}
-    live, averagers = outer_averagers(servers, shard_map, owner_values, OuterOptimizerConfig())
+    config = OuterOptimizerConfig(wait_for_behind=False)  # the default waits for it (tested below)
+    live, averagers = outer_averagers(servers, shard_map, owner_values, config)
     drift(live, cluster_of, 0)
     await asyncio.gather(*(a.run_round(0) for a in averagers.values()))
     late, ring = servers[4].peer_id, shard_map.shards[0]  # cluster 2 stage 0, in ring e2/s0

@@ -27,7 +27,9 @@ async def round_with_a_late_cluster(averagers, cluster_of, round_index, late_clu
 
 @pytest.mark.parametrize("compression", [DeltaCompression.NONE, DeltaCompression.INT8, DeltaCompression.TOPK])
 async def test_a_late_member_takes_the_others_outer_step_and_keeps_its_delta_for_the_next_sync(compression):
-    config = OuterOptimizerConfig(compression=compression, chunk_numel=64, topk_fraction=0.1)
+    config = OuterOptimizerConfig(
+        compression=compression, chunk_numel=64, topk_fraction=0.1, wait_for_behind=False
+    )  # waiting for the late cluster is the default: this test steers the case it was too late
     live, averagers, cluster_of = await make_swarm(3, config, same_start=True, ring_config=CONFIG)
     outer = {p: a.outer for p, a in averagers.items() if isinstance(a, OuterAverager)}
     train_a_little(live, cluster_of, 0)
@@ -69,3 +71,15 @@ async def test_a_late_member_takes_the_others_outer_step_and_keeps_its_delta_for
 def make_map(averagers):
     some = next(iter(averagers.values()))
     return some._shard_map().shards
+
+
+async def test_by_default_a_sync_waits_for_a_cluster_that_is_behind():
+    live, averagers, cluster_of = await make_swarm(
+        3, OuterOptimizerConfig(compression=DeltaCompression.INT4), same_start=True, ring_config=CONFIG
+    )
+    train_a_little(live, cluster_of, 0)  # a member knows its rings from its last round (`ring.expect`)
+    await asyncio.gather(*(a.run_round(0) for a in averagers.values()))
+    train_a_little(live, cluster_of, 1)
+    metrics = await round_with_a_late_cluster(averagers, cluster_of, 1, late_cluster=1)
+    assert all(len(r.participants) == 3 for m in metrics.values() for r in m.rings)
+    assert all(isinstance(a, OuterAverager) and not a.outer.diverged for a in averagers.values())
