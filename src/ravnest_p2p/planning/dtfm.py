@@ -46,6 +46,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from ravnest_p2p.planning.dtfm_hall import HALL_LIMIT, batch_bottleneck
+
 __all__ = [
     "CostModel",
     "Placement",
@@ -347,6 +349,22 @@ class CostModel:
             value = bottleneck_matching(self.pp_weights.take(a, 0).take(b, 1))[0]
             self._edge_cache[key] = value
         return value
+
+    def edge_costs(self, pairs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[float]:
+        """`edge_cost` of many pairs; uncached ones solved together when groups are small (`dtfm_hall`)."""
+        if not pairs or len(pairs[0][0]) > HALL_LIMIT:
+            return [self.edge_cost(a, b) for a, b in pairs]
+        cache = self._edge_cache
+        keys = [(a, b) if a <= b else (b, a) for a, b in pairs]
+        missing = list({k for k in keys if k not in cache})
+        if missing:
+            if len(cache) > 200_000:
+                cache.clear()
+            rows = np.array([k[0] for k in missing])
+            cols = np.array([k[1] for k in missing])
+            values = batch_bottleneck(self.pp_weights[rows[:, :, None], cols[:, None, :]])
+            cache.update(zip(missing, values.tolist(), strict=True))
+        return [cache[k] for k in keys]
 
     def edge_matrix(self, placement: Placement) -> np.ndarray:
         k = len(placement)

@@ -149,16 +149,23 @@ class SwapState:
         dp[a] = self.model.group_dp_cost(group_a)
         dp[b] = self.model.group_dp_cost(group_b)
         hard, gain = self.hard.copy(), self.gain.copy()
-        for other in range(len(self.groups)):
-            if other in (a, b):
-                continue
-            for gi, members in ((a, group_a), (b, group_b)):
-                h, s = self._edge(members, self.groups[other])
-                hard[gi, other] = hard[other, gi] = h
-                gain[gi, other] = gain[other, gi] = s
-        h, s = self._edge(group_a, group_b)
-        hard[a, b] = hard[b, a] = h
-        gain[a, b] = gain[b, a] = s
+        others = [o for o in range(len(self.groups)) if o not in (a, b)]
+        if self.soft:
+            for other in others:
+                for gi, members in ((a, group_a), (b, group_b)):
+                    h, s = self._edge(members, self.groups[other])
+                    hard[gi, other] = hard[other, gi] = h
+                    gain[gi, other] = gain[other, gi] = s
+            h, s = self._edge(group_a, group_b)
+            hard[a, b] = hard[b, a] = h
+            gain[a, b] = gain[b, a] = s
+        else:  # no slope: all the changed edges in one call (batched for small groups, `dtfm_hall`)
+            ta, tb = tuple(group_a), tuple(group_b)
+            rest = [tuple(self.groups[o]) for o in others]
+            values = self.model.edge_costs([(ta, g) for g in rest] + [(tb, g) for g in rest] + [(ta, tb)])
+            hard[a, others] = hard[others, a] = values[: len(others)]
+            hard[b, others] = hard[others, b] = values[len(others) : 2 * len(others)]
+            hard[a, b] = hard[b, a] = values[-1]
         if ceiling is not None and not self.soft and len(self.groups) <= self.exact_limit:
             drops = np.concatenate([self.hard[a] - hard[a], self.hard[b] - hard[b]])
             drops[len(self.groups) + a] = 0.0  # the a-b edge, counted once

@@ -1,0 +1,51 @@
+"""The batched bottleneck matching (Hall's condition) against the one-at-a-time exact matching."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ravnest_p2p.planning import CostModel, Workload, random_placement
+from ravnest_p2p.planning.dtfm import bottleneck_matching
+from ravnest_p2p.planning.dtfm_anneal import SwapState
+from ravnest_p2p.planning.dtfm_hall import HALL_LIMIT, batch_bottleneck
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 8])
+def test_batch_equals_exact_matching_with_and_without_ties(size: int) -> None:
+    rng = np.random.default_rng(size)
+    weights = rng.lognormal(0.0, 1.0, (300, size, size))
+    weights[:100] = np.round(weights[:100])  # many ties
+    weights[100:120] = 1.0  # all equal
+    expected = [bottleneck_matching(w)[0] for w in weights]
+    assert batch_bottleneck(weights).tolist() == expected  # the same floats, not just close
+
+
+def test_batch_refuses_large_groups_and_accepts_an_empty_batch() -> None:
+    with pytest.raises(ValueError, match="at most"):
+        batch_bottleneck(np.ones((2, HALL_LIMIT + 1, HALL_LIMIT + 1)))
+    assert batch_bottleneck(np.ones((0, 4, 4))).shape == (0,)
+
+
+def _model(seed: int, stages: int, replicas: int) -> CostModel:
+    rng = np.random.default_rng(seed)
+    n = stages * replicas
+    latency = rng.lognormal(-3.0, 0.5, (n, n))
+    bandwidth = rng.lognormal(19.0, 0.5, (n, n))
+    latency, bandwidth = (latency + latency.T) / 2, (bandwidth + bandwidth.T) / 2
+    np.fill_diagonal(latency, 0.0)
+    return CostModel(latency, bandwidth, Workload(stages, replicas, c_dp_bytes=5e8, c_pp_bytes=1e8))
+
+
+def test_batched_swaps_cost_what_a_fresh_model_says() -> None:
+    model = _model(3, 6, 8)
+    rng = np.random.default_rng(3)
+    state = SwapState(model, random_placement(model.workload, rng), soft=False)
+    n = model.num_devices
+    for _ in range(30):
+        u, v = (int(x) for x in rng.integers(n, size=2))
+        if state.group_of[u] == state.group_of[v]:
+            continue
+        state.apply(state.propose(u, v))
+        fresh = _model(3, 6, 8)  # same network, empty edge cache: one-at-a-time matchings
+        assert state.cost == fresh.cost(state.placement())
