@@ -355,11 +355,11 @@ class CostModel:
         if not pairs or len(pairs[0][0]) > HALL_LIMIT:
             return [self.edge_cost(a, b) for a, b in pairs]
         cache = self._edge_cache
+        if len(cache) > 200_000:
+            cache.clear()
         keys = [(a, b) if a <= b else (b, a) for a, b in pairs]
         missing = list({k for k in keys if k not in cache})
         if missing:
-            if len(cache) > 200_000:
-                cache.clear()
             rows = np.array([k[0] for k in missing])
             cols = np.array([k[1] for k in missing])
             values = batch_bottleneck(self.pp_weights[rows[:, :, None], cols[:, None, :]])

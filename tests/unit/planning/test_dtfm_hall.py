@@ -49,3 +49,11 @@ def test_batched_swaps_cost_what_a_fresh_model_says() -> None:
         state.apply(state.propose(u, v))
         fresh = _model(3, 6, 8)  # same network, empty edge cache: one-at-a-time matchings
         assert state.cost == fresh.cost(state.placement())
+
+
+def test_edge_costs_survive_a_full_cache() -> None:
+    model = _model(4, 3, 4)
+    a, b = (0, 1, 2, 3), (4, 5, 6, 7)
+    first = model.edge_costs([(a, b)])
+    model._edge_cache.update({((i,), (i + 1,)): 0.0 for i in range(200_001)})
+    assert model.edge_costs([(a, b), (b, (8, 9, 10, 11))])[0] == first[0]
