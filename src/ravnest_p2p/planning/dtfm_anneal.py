@@ -24,13 +24,15 @@ every seed, GA or annealing with swaps only) -> 4.389 s (the best known) after 2
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from ravnest_p2p.planning.dtfm import CostModel, Placement, max_matching_size
+from ravnest_p2p.planning.dtfm import CostModel, Placement, max_matching_size, open_loop_tsp
+from ravnest_p2p.planning.dtfm_hall import HALL_LIMIT
 from ravnest_p2p.planning.dtfm_paths import EXACT_TSP_LIMIT, shortest_path
 
 __all__ = ["AnnealOutcome", "SwapState", "anneal"]
@@ -90,6 +92,8 @@ class SwapState:
                 self.hard[i, j] = self.hard[j, i] = h
                 self.gain[i, j] = self.gain[j, i] = s
         self.pp, self.order = shortest_path(self.hard, None, exact_limit)
+        # Screen swaps by edge lower bounds first where a matching is expensive (groups too wide to batch).
+        self._screen_by_bounds = not soft and k <= exact_limit and len(self.groups[0]) > HALL_LIMIT
         self.cost = float(self.dp.max()) + self.pp
         self.energy = self._energy(self.dp, self.cost, self.gain, self.order)
 
@@ -150,6 +154,12 @@ class SwapState:
         dp[b] = self.model.group_dp_cost(group_b)
         hard, gain = self.hard.copy(), self.gain.copy()
         others = [o for o in range(len(self.groups)) if o not in (a, b)]
+        if (
+            ceiling is not None
+            and self._screen_by_bounds
+            and self._bound_above(a, b, group_a, group_b, dp, ceiling)
+        ):
+            return None
         if self.soft:
             for other in others:
                 for gi, members in ((a, group_a), (b, group_b)):
@@ -180,6 +190,50 @@ class SwapState:
             a, b, group_a, group_b, float(dp[a]), float(dp[b]), hard[a].copy(), hard[b].copy(),
             gain[a].copy(), gain[b].copy(), pp, order, cost, self._energy(dp, cost, gain, order),
         )  # fmt: skip
+
+    def _bound_above(
+        self, a: int, b: int, group_a: list[int], group_b: list[int], dp: np.ndarray, ceiling: float
+    ) -> bool:
+        """Is the swap's energy certainly above ``ceiling``? Solves as few matchings as it can.
+
+        Every bottleneck matching is at least its largest row or column minimum, so the exact path over
+        the edge matrix with the changed edges at those bounds is a lower bound of the new path. Until
+        that bound decides: solve the matchings of the changed edges the bounding path uses, and
+        re-solve the path (a path using exact edges only is the new exact path: nothing to screen).
+        Worth it where a matching is expensive (groups too wide for `dtfm_hall`): a Held-Karp path at
+        <= ``exact_limit`` groups costs a few matchings.
+        """
+        weights = self.model.pp_weights
+        bounds = self.hard.copy()
+        others = [o for o in range(len(self.groups)) if o not in (a, b)]
+        cols = np.concatenate([self.groups[o] for o in others])
+        r = len(group_a)
+        members = {a: tuple(group_a), b: tuple(group_b)}
+        for gi in (a, b):
+            sub = weights.take(members[gi], 0).take(cols, 1).reshape(r, len(others), r)
+            low = np.maximum(sub.min(axis=2).max(axis=0), sub.min(axis=0).max(axis=1))
+            bounds[gi, others] = bounds[others, gi] = low
+        sub = weights.take(group_a, 0).take(group_b, 1)
+        bounds[a, b] = bounds[b, a] = max(float(sub.min(axis=1).max()), float(sub.min(axis=0).max()))
+        base = float(dp.max()) + _DP_MEAN_WEIGHT * float(dp.mean())
+        margin = ceiling + 1e-9 * max(1.0, abs(ceiling))
+        solved: set[tuple[int, int]] = set()
+        while True:
+            length, order = open_loop_tsp(bounds)
+            if base + length > margin:
+                return True
+            todo = [
+                (x, y)
+                for x, y in itertools.pairwise(order)
+                if (x in members or y in members) and (min(x, y), max(x, y)) not in solved
+            ]
+            if not todo:
+                return False
+            for x, y in todo:
+                gx = members.get(x) or tuple(self.groups[x])
+                gy = members.get(y) or tuple(self.groups[y])
+                bounds[x, y] = bounds[y, x] = self.model.edge_cost(gx, gy)
+                solved.add((min(x, y), max(x, y)))
 
     def apply(self, p: _Proposal) -> None:
         """Commit a proposal returned by `propose` on this state."""
