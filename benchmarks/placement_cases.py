@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,7 +168,8 @@ def update_references(cpu_s: float, cases: list[HardCase], method: str = "ours")
             label = "plain_anneal (benchmarks/placement_baseline.py)"
         else:
             placement = hybrid_search(model, SearchConfig(cpu_budget_s=cpu_s, seed=seed)).placement
-            label = "hybrid_search(method='anneal')"
+            label = f"hybrid_search(method='anneal') commit {_commit()}"
+        label += f", nice {os.nice(0)}, load {os.getloadavg()[0]:.1f} at the end"
         spent = time.process_time() - started
         cost = model.cost(placement)
         old = refs.get(case.name)
@@ -183,6 +186,12 @@ def update_references(cpu_s: float, cases: list[HardCase], method: str = "ours")
             }
     save_references(refs)
     return refs
+
+
+def _commit() -> str:
+    command = ["git", "rev-parse", "--short", "HEAD"]
+    head = subprocess.run(command, capture_output=True, text=True, check=False)
+    return head.stdout.strip() or "unknown"
 
 
 def save_references(refs: dict[str, dict[str, Any]]) -> None:
