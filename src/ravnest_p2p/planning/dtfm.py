@@ -43,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -326,6 +327,8 @@ class CostModel:
         self.dp_weights = dp
         self.pp_weights = 2.0 * (latency_s + workload.c_pp_bytes / safe_beta)
         self._edge_cache: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
+        self.memo: dict[str, Any] = {}
+        """Facts and caches the searches derive from the matrices (e.g. `dtfm_anneal`'s twin classes)."""
 
     @property
     def num_devices(self) -> int:

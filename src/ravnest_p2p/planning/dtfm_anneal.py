@@ -34,6 +34,7 @@ import numpy as np
 from ravnest_p2p.planning.dtfm import CostModel, Placement, max_matching_size, open_loop_tsp
 from ravnest_p2p.planning.dtfm_hall import HALL_LIMIT
 from ravnest_p2p.planning.dtfm_paths import EXACT_TSP_LIMIT, shortest_path
+from ravnest_p2p.planning.dtfm_structure import twin_classes
 
 __all__ = ["AnnealOutcome", "SwapState", "anneal"]
 
@@ -78,12 +79,13 @@ class SwapState:
         self.exact_limit = exact_limit
         self.soft = soft
         self._gain_cache: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
+        self._twins = _twin_labels(model) if soft else None
         self.groups = [sorted(int(d) for d in g) for g in placement]
         k = len(self.groups)
         self.group_of = np.empty(model.num_devices, dtype=np.int64)
         for gi, g in enumerate(self.groups):
             self.group_of[g] = gi
-        self.dp = np.array([model.group_dp_cost(g) for g in self.groups])
+        self.dp = np.array([self._dp_of(g) for g in self.groups])
         self.hard = np.zeros((k, k))
         self.gain = np.zeros((k, k))
         for i in range(k):
@@ -100,7 +102,31 @@ class SwapState:
     def placement(self) -> Placement:
         return tuple(tuple(g) for g in self.groups)
 
+    def _dp_of(self, group: Sequence[int]) -> float:
+        if self._twins is None:
+            return self.model.group_dp_cost(group)
+        key = np.sort(self._twins[list(group)]).tobytes()
+        cache: dict[bytes, float] = self.model.memo.setdefault("twin_dp", {})
+        value = cache.get(key)
+        if value is None:
+            value = cache[key] = self.model.group_dp_cost(group)
+        return value
+
     def _edge(self, a: Sequence[int], b: Sequence[int]) -> tuple[float, float]:
+        """(bottleneck, slope) of the edge between groups a and b; by twin classes if they decide it."""
+        if self._twins is None:
+            return self._device_edge(a, b)
+        ka, kb = np.sort(self._twins[list(a)]).tobytes(), np.sort(self._twins[list(b)]).tobytes()
+        key = (ka, kb) if ka <= kb else (kb, ka)
+        cache: dict[tuple[bytes, bytes], tuple[float, float]] = self.model.memo.setdefault("twin_edges", {})
+        value = cache.get(key)
+        if value is None:
+            if len(cache) > _SOFT_CACHE_LIMIT:
+                cache.clear()
+            value = cache[key] = self._device_edge(a, b)
+        return value
+
+    def _device_edge(self, a: Sequence[int], b: Sequence[int]) -> tuple[float, float]:
         ta, tb = tuple(a), tuple(b)
         hard = self.model.edge_cost(ta, tb)
         if not self.soft:
@@ -150,8 +176,8 @@ class SwapState:
         group_a = sorted([d for d in self.groups[a] if d != u] + [v])
         group_b = sorted([d for d in self.groups[b] if d != v] + [u])
         dp = self.dp.copy()
-        dp[a] = self.model.group_dp_cost(group_a)
-        dp[b] = self.model.group_dp_cost(group_b)
+        dp[a] = self._dp_of(group_a)
+        dp[b] = self._dp_of(group_b)
         hard, gain = self.hard.copy(), self.gain.copy()
         others = [o for o in range(len(self.groups)) if o not in (a, b)]
         if (
@@ -247,6 +273,28 @@ class SwapState:
             self.gain[gi, :] = gains
             self.gain[:, gi] = gains
         self.pp, self.order, self.cost, self.energy = p.pp, p.order, p.cost, p.energy
+
+
+def _twin_labels(model: CostModel) -> np.ndarray | None:
+    """Twin class per device when every off-diagonal entry of both matrices is a function of the two
+    devices' classes (then a group's all-reduce and an edge's matching depend only on the classes of
+    their devices: one evaluation per multiset, shared by every state of the model); else None."""
+    memo = model.memo
+    if "twin_labels" not in memo:
+        labels = twin_classes(model)
+        count = int(labels.max()) + 1
+        off = ~np.eye(model.num_devices, dtype=bool)
+        keys = (labels[:, None] * count + labels[None, :])[off]
+        decided = count < model.num_devices
+        for matrix in (model.dp_weights, model.pp_weights):
+            values = matrix[off]
+            low, high = np.full(count * count, np.inf), np.full(count * count, -np.inf)
+            np.minimum.at(low, keys, values)
+            np.maximum.at(high, keys, values)
+            decided = decided and bool(np.array_equal(low[keys], high[keys]))
+        memo["twin_labels"] = labels if decided else None
+    result: np.ndarray | None = memo["twin_labels"]
+    return result
 
 
 @dataclass

@@ -57,3 +57,33 @@ def test_edge_costs_survive_a_full_cache() -> None:
     first = model.edge_costs([(a, b)])
     model._edge_cache.update({((i,), (i + 1,)): 0.0 for i in range(200_001)})
     assert model.edge_costs([(a, b), (b, (8, 9, 10, 11))])[0] == first[0]
+
+
+def _sites_model(seed: int, stages: int, replicas: int) -> CostModel:
+    rng = np.random.default_rng(seed)
+    n = stages * replicas
+    site = rng.integers(0, 3, n)
+    between = rng.lognormal(-3.0, 0.5, (3, 3))
+    latency = (between + between.T)[site][:, site]  # a function of the two sites: twins
+    np.fill_diagonal(latency, 0.0)
+    return CostModel(
+        latency, np.full((n, n), 1e9), Workload(stages, replicas, c_dp_bytes=5e8, c_pp_bytes=1e8)
+    )
+
+
+def test_swaps_on_twins_cost_what_a_fresh_model_says() -> None:
+    model = _sites_model(5, 5, 4)
+    rng = np.random.default_rng(5)
+    state = SwapState(model, random_placement(model.workload, rng), soft=True)
+    assert state._twins is not None  # the classes decide every entry: costs are shared per multiset
+    n = model.num_devices
+    for _ in range(40):
+        u, v = (int(x) for x in rng.integers(n, size=2))
+        if state.group_of[u] == state.group_of[v]:
+            continue
+        proposal = state.propose(u, v)
+        if rng.random() < 0.5:
+            state.apply(proposal)
+            fresh = _sites_model(5, 5, 4)
+            assert state.cost == fresh.cost(state.placement())
+            assert list(state.dp) == [fresh.group_dp_cost(g) for g in state.groups]
