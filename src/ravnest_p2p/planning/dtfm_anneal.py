@@ -3,8 +3,10 @@
 A swap of two devices between groups ``A`` and ``B`` changes only: the all-reduce cost of ``A`` and
 ``B``, the ``2 (D_PP - 1) - 1`` pipeline edges touching them, and the path over the groups. `SwapState`
 recomputes exactly those (group costs and edges with the same arithmetic as `dtfm.CostModel`, edges
-memoised per pair of groups by the model) and re-solves the path (exact up to ``exact_limit`` groups,
-warm-started 2-opt + Or-opt beyond, `dtfm_paths`). For up to ``exact_limit`` groups its ``cost`` is
+memoised per pair of groups by the model; on networks whose twin classes decide every link, per pair
+of class multisets, shared by every state of the model; without the slope, groups of <= 8 devices
+get all changed edges in one batched call, `dtfm_hall`) and re-solves the path (exact up to
+``exact_limit`` groups, warm-started 2-opt + Or-opt beyond, `dtfm_paths`). For up to ``exact_limit`` groups its ``cost`` is
 bit-identical to `CostModel.cost` of the same placement (the unit tests check this after random swaps).
 
 The annealer minimises an *energy*: the cost plus two small slopes for the plateaus the maxima create

@@ -77,6 +77,8 @@ Session 10 (commit 1ad1a4b, 60 s CPU, seeds 0-2, load 8-30): the five public sce
 DT-FM's world-wide one) reach the best-known cost on every seed with the structure-aware starts;
 without them 14 of 15 runs do (0.3-31 CPU s), and ``regional`` seed 2 stays at 1.10x from 1.1 s on
 (no move out of that layout at the reheat temperatures). Hard cases: `docs/planning-placement.md`.
+Session 11 (the stall rule above, twin-class memo in `dtfm_anneal`, batched matchings): see
+`docs/planning-placement.md` and `benchmarks/results/placement_session11.md`.
 
 Known limits. No optimality proof. Above ``tsp_exact_limit`` groups the in-loop pipeline cost is a
 local-search upper bound (the reported cost is exact). With the default time-sliced schedule a result
