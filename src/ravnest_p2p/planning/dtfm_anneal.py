@@ -6,8 +6,9 @@ recomputes exactly those (group costs and edges with the same arithmetic as `dtf
 memoised per pair of groups by the model; on networks whose twin classes decide every link, per pair
 of class multisets, shared by every state of the model; without the slope, groups of <= 8 devices
 get all changed edges in one batched call, `dtfm_hall`) and re-solves the path (exact up to
-``exact_limit`` groups, warm-started 2-opt + Or-opt beyond, `dtfm_paths`). For up to ``exact_limit`` groups its ``cost`` is
-bit-identical to `CostModel.cost` of the same placement (the unit tests check this after random swaps).
+``exact_limit`` groups, warm-started 2-opt + Or-opt beyond, `dtfm_paths`). For up to ``exact_limit``
+groups its ``cost`` is bit-identical to `CostModel.cost` of the same placement (the unit tests check
+this after random swaps).
 
 The annealer minimises an *energy*: the cost plus two small slopes for the plateaus the maxima create
 (as in the GA's surrogate): ``0.1 x`` the mean group all-reduce time, and on each pipeline edge of the
@@ -36,7 +37,7 @@ import numpy as np
 from ravnest_p2p.planning.dtfm import CostModel, Placement, max_matching_size, open_loop_tsp
 from ravnest_p2p.planning.dtfm_hall import HALL_LIMIT
 from ravnest_p2p.planning.dtfm_paths import EXACT_TSP_LIMIT, shortest_path
-from ravnest_p2p.planning.dtfm_structure import twin_classes
+from ravnest_p2p.planning.dtfm_structure import deciding_twins
 
 __all__ = ["AnnealOutcome", "SwapState", "anneal"]
 
@@ -81,7 +82,7 @@ class SwapState:
         self.exact_limit = exact_limit
         self.soft = soft
         self._gain_cache: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
-        self._twins = _twin_labels(model) if soft else None
+        self._twins = deciding_twins(model) if soft else None
         self.groups = [sorted(int(d) for d in g) for g in placement]
         k = len(self.groups)
         self.group_of = np.empty(model.num_devices, dtype=np.int64)
@@ -275,28 +276,6 @@ class SwapState:
             self.gain[gi, :] = gains
             self.gain[:, gi] = gains
         self.pp, self.order, self.cost, self.energy = p.pp, p.order, p.cost, p.energy
-
-
-def _twin_labels(model: CostModel) -> np.ndarray | None:
-    """Twin class per device when every off-diagonal entry of both matrices is a function of the two
-    devices' classes (then a group's all-reduce and an edge's matching depend only on the classes of
-    their devices: one evaluation per multiset, shared by every state of the model); else None."""
-    memo = model.memo
-    if "twin_labels" not in memo:
-        labels = twin_classes(model)
-        count = int(labels.max()) + 1
-        off = ~np.eye(model.num_devices, dtype=bool)
-        keys = (labels[:, None] * count + labels[None, :])[off]
-        decided = count < model.num_devices
-        for matrix in (model.dp_weights, model.pp_weights):
-            values = matrix[off]
-            low, high = np.full(count * count, np.inf), np.full(count * count, -np.inf)
-            np.minimum.at(low, keys, values)
-            np.maximum.at(high, keys, values)
-            decided = decided and bool(np.array_equal(low[keys], high[keys]))
-        memo["twin_labels"] = labels if decided else None
-    result: np.ndarray | None = memo["twin_labels"]
-    return result
 
 
 @dataclass
