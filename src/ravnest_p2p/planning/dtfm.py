@@ -43,8 +43,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
+
+from ravnest_p2p.planning.dtfm_hall import HALL_LIMIT, batch_bottleneck
 
 __all__ = [
     "CostModel",
@@ -324,6 +327,8 @@ class CostModel:
         self.dp_weights = dp
         self.pp_weights = 2.0 * (latency_s + workload.c_pp_bytes / safe_beta)
         self._edge_cache: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
+        self.memo: dict[str, Any] = {}
+        """Facts and caches the searches derive from the matrices (e.g. `dtfm_anneal`'s twin classes)."""
 
     @property
     def num_devices(self) -> int:
@@ -347,6 +352,22 @@ class CostModel:
             value = bottleneck_matching(self.pp_weights.take(a, 0).take(b, 1))[0]
             self._edge_cache[key] = value
         return value
+
+    def edge_costs(self, pairs: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[float]:
+        """`edge_cost` of many pairs; uncached ones solved together when groups are small (`dtfm_hall`)."""
+        if not pairs or len(pairs[0][0]) > HALL_LIMIT:
+            return [self.edge_cost(a, b) for a, b in pairs]
+        cache = self._edge_cache
+        if len(cache) > 200_000:
+            cache.clear()
+        keys = [(a, b) if a <= b else (b, a) for a, b in pairs]
+        missing = list({k for k in keys if k not in cache})
+        if missing:
+            rows = np.array([k[0] for k in missing])
+            cols = np.array([k[1] for k in missing])
+            values = batch_bottleneck(self.pp_weights[rows[:, :, None], cols[:, None, :]])
+            cache.update(zip(missing, values.tolist(), strict=True))
+        return [cache[k] for k in keys]
 
     def edge_matrix(self, placement: Placement) -> np.ndarray:
         k = len(placement)

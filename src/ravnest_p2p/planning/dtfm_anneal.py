@@ -3,9 +3,12 @@
 A swap of two devices between groups ``A`` and ``B`` changes only: the all-reduce cost of ``A`` and
 ``B``, the ``2 (D_PP - 1) - 1`` pipeline edges touching them, and the path over the groups. `SwapState`
 recomputes exactly those (group costs and edges with the same arithmetic as `dtfm.CostModel`, edges
-memoised per pair of groups by the model) and re-solves the path (exact up to ``exact_limit`` groups,
-warm-started 2-opt + Or-opt beyond, `dtfm_paths`). For up to ``exact_limit`` groups its ``cost`` is
-bit-identical to `CostModel.cost` of the same placement (the unit tests check this after random swaps).
+memoised per pair of groups by the model; on networks whose twin classes decide every link, per pair
+of class multisets, shared by every state of the model; without the slope, groups of <= 8 devices
+get all changed edges in one batched call, `dtfm_hall`) and re-solves the path (exact up to
+``exact_limit`` groups, warm-started 2-opt + Or-opt beyond, `dtfm_paths`). For up to ``exact_limit``
+groups its ``cost`` is bit-identical to `CostModel.cost` of the same placement (the unit tests check
+this after random swaps).
 
 The annealer minimises an *energy*: the cost plus two small slopes for the plateaus the maxima create
 (as in the GA's surrogate): ``0.1 x`` the mean group all-reduce time, and on each pipeline edge of the
@@ -24,14 +27,17 @@ every seed, GA or annealing with swaps only) -> 4.389 s (the best known) after 2
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from ravnest_p2p.planning.dtfm import CostModel, Placement, max_matching_size
+from ravnest_p2p.planning.dtfm import CostModel, Placement, max_matching_size, open_loop_tsp
+from ravnest_p2p.planning.dtfm_hall import HALL_LIMIT
 from ravnest_p2p.planning.dtfm_paths import EXACT_TSP_LIMIT, shortest_path
+from ravnest_p2p.planning.dtfm_structure import deciding_twins
 
 __all__ = ["AnnealOutcome", "SwapState", "anneal"]
 
@@ -76,12 +82,13 @@ class SwapState:
         self.exact_limit = exact_limit
         self.soft = soft
         self._gain_cache: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
+        self._twins = deciding_twins(model) if soft else None
         self.groups = [sorted(int(d) for d in g) for g in placement]
         k = len(self.groups)
         self.group_of = np.empty(model.num_devices, dtype=np.int64)
         for gi, g in enumerate(self.groups):
             self.group_of[g] = gi
-        self.dp = np.array([model.group_dp_cost(g) for g in self.groups])
+        self.dp = np.array([self._dp_of(g) for g in self.groups])
         self.hard = np.zeros((k, k))
         self.gain = np.zeros((k, k))
         for i in range(k):
@@ -90,13 +97,39 @@ class SwapState:
                 self.hard[i, j] = self.hard[j, i] = h
                 self.gain[i, j] = self.gain[j, i] = s
         self.pp, self.order = shortest_path(self.hard, None, exact_limit)
+        # Screen swaps by edge lower bounds first where a matching is expensive (groups too wide to batch).
+        self._screen_by_bounds = not soft and k <= exact_limit and len(self.groups[0]) > HALL_LIMIT
         self.cost = float(self.dp.max()) + self.pp
         self.energy = self._energy(self.dp, self.cost, self.gain, self.order)
 
     def placement(self) -> Placement:
         return tuple(tuple(g) for g in self.groups)
 
+    def _dp_of(self, group: Sequence[int]) -> float:
+        if self._twins is None:
+            return self.model.group_dp_cost(group)
+        key = np.sort(self._twins[list(group)]).tobytes()
+        cache: dict[bytes, float] = self.model.memo.setdefault("twin_dp", {})
+        value = cache.get(key)
+        if value is None:
+            value = cache[key] = self.model.group_dp_cost(group)
+        return value
+
     def _edge(self, a: Sequence[int], b: Sequence[int]) -> tuple[float, float]:
+        """(bottleneck, slope) of the edge between groups a and b; by twin classes if they decide it."""
+        if self._twins is None:
+            return self._device_edge(a, b)
+        ka, kb = np.sort(self._twins[list(a)]).tobytes(), np.sort(self._twins[list(b)]).tobytes()
+        key = (ka, kb) if ka <= kb else (kb, ka)
+        cache: dict[tuple[bytes, bytes], tuple[float, float]] = self.model.memo.setdefault("twin_edges", {})
+        value = cache.get(key)
+        if value is None:
+            if len(cache) > _SOFT_CACHE_LIMIT:
+                cache.clear()
+            value = cache[key] = self._device_edge(a, b)
+        return value
+
+    def _device_edge(self, a: Sequence[int], b: Sequence[int]) -> tuple[float, float]:
         ta, tb = tuple(a), tuple(b)
         hard = self.model.edge_cost(ta, tb)
         if not self.soft:
@@ -146,19 +179,32 @@ class SwapState:
         group_a = sorted([d for d in self.groups[a] if d != u] + [v])
         group_b = sorted([d for d in self.groups[b] if d != v] + [u])
         dp = self.dp.copy()
-        dp[a] = self.model.group_dp_cost(group_a)
-        dp[b] = self.model.group_dp_cost(group_b)
+        dp[a] = self._dp_of(group_a)
+        dp[b] = self._dp_of(group_b)
         hard, gain = self.hard.copy(), self.gain.copy()
-        for other in range(len(self.groups)):
-            if other in (a, b):
-                continue
-            for gi, members in ((a, group_a), (b, group_b)):
-                h, s = self._edge(members, self.groups[other])
-                hard[gi, other] = hard[other, gi] = h
-                gain[gi, other] = gain[other, gi] = s
-        h, s = self._edge(group_a, group_b)
-        hard[a, b] = hard[b, a] = h
-        gain[a, b] = gain[b, a] = s
+        others = [o for o in range(len(self.groups)) if o not in (a, b)]
+        if (
+            ceiling is not None
+            and self._screen_by_bounds
+            and self._bound_above(a, b, group_a, group_b, dp, ceiling)
+        ):
+            return None
+        if self.soft:
+            for other in others:
+                for gi, members in ((a, group_a), (b, group_b)):
+                    h, s = self._edge(members, self.groups[other])
+                    hard[gi, other] = hard[other, gi] = h
+                    gain[gi, other] = gain[other, gi] = s
+            h, s = self._edge(group_a, group_b)
+            hard[a, b] = hard[b, a] = h
+            gain[a, b] = gain[b, a] = s
+        else:  # no slope: all the changed edges in one call (batched for small groups, `dtfm_hall`)
+            ta, tb = tuple(group_a), tuple(group_b)
+            rest = [tuple(self.groups[o]) for o in others]
+            values = self.model.edge_costs([(ta, g) for g in rest] + [(tb, g) for g in rest] + [(ta, tb)])
+            hard[a, others] = hard[others, a] = values[: len(others)]
+            hard[b, others] = hard[others, b] = values[len(others) : 2 * len(others)]
+            hard[a, b] = hard[b, a] = values[-1]
         if ceiling is not None and not self.soft and len(self.groups) <= self.exact_limit:
             drops = np.concatenate([self.hard[a] - hard[a], self.hard[b] - hard[b]])
             drops[len(self.groups) + a] = 0.0  # the a-b edge, counted once
@@ -173,6 +219,50 @@ class SwapState:
             a, b, group_a, group_b, float(dp[a]), float(dp[b]), hard[a].copy(), hard[b].copy(),
             gain[a].copy(), gain[b].copy(), pp, order, cost, self._energy(dp, cost, gain, order),
         )  # fmt: skip
+
+    def _bound_above(
+        self, a: int, b: int, group_a: list[int], group_b: list[int], dp: np.ndarray, ceiling: float
+    ) -> bool:
+        """Is the swap's energy certainly above ``ceiling``? Solves as few matchings as it can.
+
+        Every bottleneck matching is at least its largest row or column minimum, so the exact path over
+        the edge matrix with the changed edges at those bounds is a lower bound of the new path. Until
+        that bound decides: solve the matchings of the changed edges the bounding path uses, and
+        re-solve the path (a path using exact edges only is the new exact path: nothing to screen).
+        Worth it where a matching is expensive (groups too wide for `dtfm_hall`): a Held-Karp path at
+        <= ``exact_limit`` groups costs a few matchings.
+        """
+        weights = self.model.pp_weights
+        bounds = self.hard.copy()
+        others = [o for o in range(len(self.groups)) if o not in (a, b)]
+        cols = np.concatenate([self.groups[o] for o in others])
+        r = len(group_a)
+        members = {a: tuple(group_a), b: tuple(group_b)}
+        for gi in (a, b):
+            sub = weights.take(members[gi], 0).take(cols, 1).reshape(r, len(others), r)
+            low = np.maximum(sub.min(axis=2).max(axis=0), sub.min(axis=0).max(axis=1))
+            bounds[gi, others] = bounds[others, gi] = low
+        sub = weights.take(group_a, 0).take(group_b, 1)
+        bounds[a, b] = bounds[b, a] = max(float(sub.min(axis=1).max()), float(sub.min(axis=0).max()))
+        base = float(dp.max()) + _DP_MEAN_WEIGHT * float(dp.mean())
+        margin = ceiling + 1e-9 * max(1.0, abs(ceiling))
+        solved: set[tuple[int, int]] = set()
+        while True:
+            length, order = open_loop_tsp(bounds)
+            if base + length > margin:
+                return True
+            todo = [
+                (x, y)
+                for x, y in itertools.pairwise(order)
+                if (x in members or y in members) and (min(x, y), max(x, y)) not in solved
+            ]
+            if not todo:
+                return False
+            for x, y in todo:
+                gx = members.get(x) or tuple(self.groups[x])
+                gy = members.get(y) or tuple(self.groups[y])
+                bounds[x, y] = bounds[y, x] = self.model.edge_cost(gx, gy)
+                solved.add((min(x, y), max(x, y)))
 
     def apply(self, p: _Proposal) -> None:
         """Commit a proposal returned by `propose` on this state."""

@@ -13,8 +13,13 @@ warm-started 2-opt + Or-opt beyond, `dtfm_paths`). Metropolis acceptance on an e
 for the plateaus (see `dtfm_anneal`); geometric cooling to 1/1000 of the temperature that accepts the
 median uphill move half the time. Cycles: the first takes 3/4 of the CPU budget, each later one restarts
 from the best placement so far at 0.3x that temperature and takes half of what is left, so the
-best-so-far curve keeps improving with CPU time (``SearchResult.curve``). The final answer is re-scored
-with the exact model.
+best-so-far curve keeps improving with CPU time (``SearchResult.curve``). On networks with twins a cycle
+also ends once its best has not improved for 1/4 of the budget, and a cycle that did not improve the
+overall best is followed by one from a fresh random placement at the full temperature (3/4 of what is
+left) instead of a reheat of the same basin (session 11: `regional` seed 2 without structure starts sat
+at 1.10x from 0.9 CPU s to the end of the minute in one 45 s first cycle; cycles capped at 1/4 of the
+budget with random restarts fixed it but lost `datacenter_on_demand` seed 0, so the first cycle is the
+same as before until it stalls). The final answer is re-scored with the exact model.
 
 Noisy networks (no twins) with the CPU-time schedule get a schedule of their own: the old curves (8x8,
 60 s) spent the first third of the hot cycle at temperatures where the best-so-far did not move (a
@@ -72,13 +77,18 @@ Session 10 (commit 1ad1a4b, 60 s CPU, seeds 0-2, load 8-30): the five public sce
 DT-FM's world-wide one) reach the best-known cost on every seed with the structure-aware starts;
 without them 14 of 15 runs do (0.3-31 CPU s), and ``regional`` seed 2 stays at 1.10x from 1.1 s on
 (no move out of that layout at the reheat temperatures). Hard cases: `docs/planning-placement.md`.
+Session 11 (the stall rule above, twin-class memo in `dtfm_anneal`, batched matchings): see
+`docs/planning-placement.md` and `benchmarks/results/placement_session11.md`.
 
 Known limits. No optimality proof. Above ``tsp_exact_limit`` groups the in-loop pipeline cost is a
 local-search upper bound (the reported cost is exact). With the default time-sliced schedule a result
 depends on how many proposals the CPU budget allows; pass ``anneal_moves`` (and ``max_generations``)
-for bit-reproducible runs. The bottleneck matchings dominate the time (~15-30 us each in Python,
-``2 D_PP - 3`` per swap, plus the Held-Karp path at <= 12 groups), so a swap costs ~0.5-1 ms on a quiet
-core: a compiled matching would be the next speed-up.
+for bit-reproducible runs. The bottleneck matchings dominated the time (~15-30 us each in Python,
+``2 D_PP - 3`` per swap; 12.5 of 15.7 s in a profiled 16x8 run). Session 11: groups of <= 8 devices
+get the changed edges of a swap in one vectorised call (`dtfm_hall`, Hall's condition on bitmasks; 16x8
+0.82 -> 0.42 ms per proposal, 8x8 0.39 -> 0.25 ms), and wider groups (8x16) are screened by edge lower
+bounds and a Held-Karp path over them before any matching (`SwapState.propose_below`; ~95% of the cool
+proposals rejected with a few matchings). A compiled matching would be the next speed-up.
 """
 
 from __future__ import annotations
@@ -99,7 +109,10 @@ __all__ = ["SearchConfig", "SearchResult", "find_sites", "hybrid_search", "struc
 
 _REHEAT = 0.3  # later annealing cycles start at this fraction of the calibrated temperature
 _COOL_TO = 1e-3  # every cycle cools down to this fraction of it
-_FIRST_SHARE = 0.75  # of the CPU budget for the first (hottest) annealing cycle
+_FIRST_SHARE = 0.75  # of what is left of the CPU budget, for a cycle from a fresh start
+# Networks with twins: a cycle ends once its best has not improved for this share of the CPU budget
+# (session 11: one 45 s first cycle left `regional` seed 2 at 1.10x from 0.9 s to the end).
+_TWIN_STALL_SHARE = 0.25
 # Noisy networks (no twins): the calibrated temperature is a random walk; the first cycle starts at
 # this fraction of it, later cycles are short (a share of the budget each) and start cooler.
 _NOISY_START = 0.2
@@ -261,26 +274,44 @@ def _anneal_search(
     wide = model.workload.num_replicas >= _WIDE_REPLICAS
     hot = config.start_temperature or ((_NOISY_START_WIDE if wide else _NOISY_START) if noisy else 1.0)
     reheat = config.reheat or (_NOISY_REHEAT if noisy else _REHEAT)
+    # Networks with twins under the CPU-time schedule: a cycle whose best has not moved for a quarter of
+    # the budget ends, and a cycle that did not improve the best is followed by a fresh random layout at
+    # the full temperature instead of a reheat of the same basin.
+    restarts = soft and config.anneal_moves == 0
+    last_gain = [clock()]
+
+    def stalled() -> bool:
+        return clock() - last_gain[0] >= config.cpu_budget_s * _TWIN_STALL_SHARE
+
+    def gained(s: SwapState) -> None:
+        last_gain[0] = clock()
+        note((s.cost, 0.0))
+
     cycles = proposals = 0
+    fresh = True
     while cycles < config.max_generations and not out_of_time():
-        progress = _schedule(config, cycles, clock, started, out_of_time, noisy=noisy)
+        last_gain[0] = clock()
+        stop = stalled if restarts else None
+        progress = _schedule(config, cycles, clock, started, out_of_time, noisy=noisy, fresh=fresh, stop=stop)
         outcome = anneal(
             state,
             classes,
             rng,
-            start_temperature=temperature * (hot if cycles == 0 else reheat),
+            start_temperature=temperature * (hot if fresh else reheat),
             end_temperature=temperature * _COOL_TO,
             progress=progress,
-            on_best=lambda s: note((s.cost, 0.0)),
+            on_best=gained,
             sites=sites if soft else (),
         )
         cycles += 1
         proposals += outcome.moves
         exact = model.cost(outcome.placement) if len(best) > limit else outcome.cost
-        if exact < best_exact - 1e-12 * max(1.0, best_exact):
+        improved = exact < best_exact - 1e-12 * max(1.0, best_exact)
+        if improved:
             best, best_exact = outcome.placement, exact
             note((exact, 0.0))
-        state = SwapState(model, best, limit, soft)
+        fresh = restarts and not improved
+        state = SwapState(model, random_placement(model.workload, rng) if fresh else best, limit, soft)
     length, order = model.pp_cost(best)
     return SearchResult(
         placement=best,
@@ -303,11 +334,14 @@ def _schedule(
     out_of_time: Callable[[], bool],
     *,
     noisy: bool = False,
+    fresh: bool = True,
+    stop: Callable[[], bool] | None = None,
 ) -> Callable[[int], float]:
     """Progress of annealing cycle ``cycle``: by proposals when ``anneal_moves`` is set, else by CPU time.
 
-    By CPU time, cycle 0 gets 3/4 of the budget and each later cycle half of what is left (anytime:
-    every cycle restarts from the best so far, cooler and shorter). By proposals, cycle
+    By CPU time, a cycle from a fresh start gets 3/4 of what is left of the budget and a reheat half
+    of it (anytime: a reheat restarts from the best so far, cooler and shorter); ``stop`` ends a cycle
+    early (the stall rule on networks with twins). Noisy networks have their own shares. By proposals, cycle
     ``c`` makes ``anneal_moves x 2^min(c, 5)`` of them: bit-reproducible, independent of the machine.
     """
     if config.anneal_moves > 0:
@@ -327,13 +361,14 @@ def _schedule(
         )
         span = max(span, 1e-6)
     else:
-        share = _FIRST_SHARE if cycle == 0 else 0.5
+        share = _FIRST_SHARE if fresh else 0.5
         span = max((config.cpu_budget_s - begin) * share, 1e-6)
     latest = [0.0]
 
     def by_time(done: int) -> float:
         if done % 16 == 0:
-            latest[0] = 1.0 if out_of_time() else (clock() - started - begin) / span
+            done_ = out_of_time() or (stop is not None and stop())
+            latest[0] = 1.0 if done_ else (clock() - started - begin) / span
         return latest[0]
 
     return by_time

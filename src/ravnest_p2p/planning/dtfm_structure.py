@@ -12,7 +12,7 @@ import numpy as np
 
 from ravnest_p2p.planning.dtfm import CostModel, Placement
 
-__all__ = ["find_sites", "structured_placements", "twin_classes"]
+__all__ = ["deciding_twins", "find_sites", "structured_placements", "twin_classes"]
 
 
 def twin_classes(model: CostModel) -> np.ndarray:
@@ -34,6 +34,28 @@ def twin_classes(model: CostModel) -> np.ndarray:
                 labels[v] = next_label
         next_label += 1
     return labels
+
+
+def deciding_twins(model: CostModel) -> np.ndarray | None:
+    """Twin class per device when every off-diagonal entry of both matrices is a function of the two
+    devices' classes (then a group's all-reduce and an edge's matching depend only on the classes of
+    their devices: one evaluation per multiset, shared by every state of the model); else None."""
+    memo = model.memo
+    if "twin_labels" not in memo:
+        labels = twin_classes(model)
+        count = int(labels.max()) + 1
+        off = ~np.eye(model.num_devices, dtype=bool)
+        keys = (labels[:, None] * count + labels[None, :])[off]
+        decided = count < model.num_devices
+        for matrix in (model.dp_weights, model.pp_weights):
+            values = matrix[off]
+            low, high = np.full(count * count, np.inf), np.full(count * count, -np.inf)
+            np.minimum.at(low, keys, values)
+            np.maximum.at(high, keys, values)
+            decided = decided and bool(np.array_equal(low[keys], high[keys]))
+        memo["twin_labels"] = labels if decided else None
+    result: np.ndarray | None = memo["twin_labels"]
+    return result
 
 
 def find_sites(model: CostModel, tolerance: float = 1.25) -> tuple[tuple[int, ...], ...]:

@@ -178,8 +178,9 @@ def test_site_move_is_undone_when_rejected_and_consistent_when_accepted() -> Non
         assert state.cost == model.cost(state.placement())
 
 
-def test_propose_below_rejects_only_swaps_above_the_ceiling() -> None:
-    model = _noisy_model(4, 6, 3)
+@pytest.mark.parametrize(("stages", "replicas"), [(6, 3), (4, 10)])  # 10: screened by edge bounds first
+def test_propose_below_rejects_only_swaps_above_the_ceiling(stages: int, replicas: int) -> None:
+    model = _noisy_model(4, stages, replicas)
     rng = np.random.default_rng(4)
     state = SwapState(model, random_placement(model.workload, rng), soft=False)
     n = model.num_devices
