@@ -52,6 +52,18 @@ async def test_a_coded_closing_round_ends_identical_near_the_plain_mean_for_a_fr
     assert sent < 0.3 * await _closing_bytes_fp32()
 
 
+async def _close_plainly_and_check(live, averagers, cluster_of):
+    """Train a little, close; every replica must end identical, at the plain mean of the replicas."""
+    train_a_little(live, cluster_of, 99)
+    plain_mean = _cluster_means(live, cluster_of)
+    await _close(averagers)
+    digests = cluster_digests(live, cluster_of)
+    assert digests[0] == digests[1] == digests[2]
+    for params in live.values():
+        for name, value in params.items():
+            torch.testing.assert_close(value.double(), plain_mean[name], atol=1e-6, rtol=0)
+
+
 async def test_rings_whose_anchors_may_differ_close_plainly_and_end_identical():
     live, averagers, cluster_of = await make_swarm(3, INT4, same_start=True)
     await run_rounds(live, averagers, cluster_of, 2)
@@ -61,14 +73,7 @@ async def test_rings_whose_anchors_may_differ_close_plainly_and_end_identical():
         if cluster_of[peer] == 0:
             for theta in averager.outer.theta.values():
                 theta.add_(0.5)
-    train_a_little(live, cluster_of, 99)
-    plain_mean = _cluster_means(live, cluster_of)
-    await _close(averagers)
-    digests = cluster_digests(live, cluster_of)
-    assert digests[0] == digests[1] == digests[2]
-    for params in live.values():
-        for name, value in params.items():
-            torch.testing.assert_close(value.double(), plain_mean[name], atol=1e-6, rtol=0)
+    await _close_plainly_and_check(live, averagers, cluster_of)
 
 
 async def test_members_that_disagree_on_a_rings_anchors_close_it_again_plainly():
@@ -82,14 +87,7 @@ async def test_members_that_disagree_on_a_rings_anchors_close_it_again_plainly()
             averager.outer.diverged.update(averager.outer.theta)
             for theta in averager.outer.theta.values():
                 theta.add_(0.5)
-    train_a_little(live, cluster_of, 99)
-    plain_mean = _cluster_means(live, cluster_of)
-    await _close(averagers)
-    digests = cluster_digests(live, cluster_of)
-    assert digests[0] == digests[1] == digests[2]
-    for params in live.values():
-        for name, value in params.items():
-            torch.testing.assert_close(value.double(), plain_mean[name], atol=1e-6, rtol=0)
+    await _close_plainly_and_check(live, averagers, cluster_of)
     for averager in averagers.values():
         assert isinstance(averager, OuterAverager)
         assert not averager.plain_close
