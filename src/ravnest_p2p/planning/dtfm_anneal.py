@@ -205,10 +205,18 @@ class SwapState:
             (members.get(x) or tuple(self.groups[x]), members.get(y) or tuple(self.groups[y]))
             for x, y in edges
         ]
-        values = self.model.edge_costs(pairs)
-        pp = self.pp + sum(new - float(self.hard[x, y]) for (x, y), new in zip(edges, values, strict=True))
-        energy = float(dp.max()) + pp + _DP_MEAN_WEIGHT * float(dp.mean())
-        if energy > ceiling:
+        base = float(dp.max()) + _DP_MEAN_WEIGHT * float(dp.mean())
+        old = sum(float(self.hard[x, y]) for x, y in edges)
+        if len(group_a) > HALL_LIMIT:  # wide groups: first with every edge at its lower bound, no matching
+            weights = self.model.pp_weights
+            low = 0.0
+            for ga, gb in pairs:
+                sub = weights.take(ga, 0).take(gb, 1)
+                low += max(float(sub.min(axis=1).max()), float(sub.min(axis=0).max()))
+            if base + self.pp - old + low > ceiling:
+                return None
+        pp = self.pp - old + sum(self.model.edge_costs(pairs))
+        if base + pp > ceiling:
             return None
         return self._propose(u, v, None)
 

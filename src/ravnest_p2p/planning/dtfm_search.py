@@ -78,7 +78,17 @@ DT-FM's world-wide one) reach the best-known cost on every seed with the structu
 without them 14 of 15 runs do (0.3-31 CPU s), and ``regional`` seed 2 stays at 1.10x from 1.1 s on
 (no move out of that layout at the reheat temperatures). Hard cases: `docs/planning-placement.md`.
 Session 11 (the stall rule above, twin-class memo in `dtfm_anneal`, batched matchings): see
-`docs/planning-placement.md` and `benchmarks/results/placement_session11.md`.
+`docs/planning-placement.md` and `benchmarks/results/placement_session11.md`. Session 12: swaps on
+noisy networks are screened along the current stage order (`SwapState.propose_along`, ~2.4x the
+proposals per CPU second on 16x8) and a second compound move evens out doubled sites
+(`dtfm_anneal._even_site_move`); results in `docs/planning-placement.md`.
+
+Tried in session 12 and not kept (60 s CPU, 16x8, one run per seed, load 1-6): the cities of the
+generator given to the search as sites (an oracle; starts and site moves): 1.069 / 1.062x with the
+starts only, 1.081 / 1.125x with site moves too (50k moves in the minute instead of 150k); three
+independent first cycles instead of one: 1.093 / 1.055 / 1.038x against one cycle's 1.065-1.081x
+(same code otherwise). A screen of every changed edge at its lower bound (largest row/column
+minimum) before any matching rejected 3 of 1,886 cool swaps on 16x8: slower, dropped.
 
 Known limits. No optimality proof. Above ``tsp_exact_limit`` groups the in-loop pipeline cost is a
 local-search upper bound (the reported cost is exact). With the default time-sliced schedule a result
