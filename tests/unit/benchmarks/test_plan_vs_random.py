@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.bench_plan_vs_random import samples_per_s, true_rate_mbps
+from benchmarks.bench_plan_vs_random import merge, samples_per_s, true_rate_mbps
 from benchmarks.plan_vs_random_driver import random_assignment
 
 from ravnest_p2p.lab import load_profile
@@ -50,3 +50,18 @@ def test_samples_per_s_sums_the_clusters_first_stages():
         ]
     }
     assert samples_per_s(run, batch=100) == 500 + 250
+
+
+def test_merge_keeps_the_other_profiles_rows_and_replaces_the_rerun_ones():
+    old = {
+        "machine": {"time_utc": "T0"},
+        "rows": [{"profile": "multi_datacenter", "x": 1}, {"profile": "regional", "x": 2}],
+        "runs": [{"profile": "multi_datacenter"}, {"profile": "regional", "old": True}],
+    }
+    rows, runs = merge(old, [{"profile": "regional", "x": 3, "run_utc": "T1"}], [{"profile": "regional"}])
+    assert rows == [
+        {"profile": "multi_datacenter", "x": 1, "run_utc": "T0"},
+        {"profile": "regional", "x": 3, "run_utc": "T1"},
+    ]
+    assert runs == [{"profile": "multi_datacenter"}, {"profile": "regional"}]
+    assert merge(None, rows, runs) == (rows, runs)
