@@ -93,6 +93,25 @@ def true_rate_mbps(profile: SwarmProfile, src: str, dst: str) -> float:
     return min(rates) if rates else float("inf")
 
 
+def slowed(profile: SwarmProfile, factor: float) -> SwarmProfile:
+    """`profile` with every rate (and its `scale`) times `factor`: the same contrasts, slower wires."""
+
+    def rate(mbps: float | None) -> float | None:
+        return None if mbps is None else mbps * factor
+
+    peers = [
+        p.model_copy(
+            update={
+                "upload_mbps": rate(p.upload_mbps),
+                "download_mbps": rate(p.download_mbps),
+                "upload_to_mbps": {k: v * factor for k, v in p.upload_to_mbps.items()},
+            }
+        )
+        for p in profile.peers
+    ]
+    return profile.model_copy(update={"peers": peers, "scale": profile.scale * factor})
+
+
 def samples_per_s(run: dict[str, Any], batch: int) -> float:
     """The job's rate: each cluster's first stage, micro-batches x batch / its training wall time, summed."""
     firsts = [m for m in run["metrics"] if m["stage"] == 0]
@@ -112,17 +131,19 @@ def _slowest_hops(placement: list[list[dict[str, Any]]], names: dict[str, str], 
     return "/".join(out)
 
 
-def run_profile(name: str, *, max_steps: int, order: list[str], workdir: Path) -> dict[str, Any]:
-    """One lab of `peers/scenario_<name>.toml`: measure links, then train `order`; return the summary."""
+def run_profile(
+    name: str, *, max_steps: int, order: list[str], workdir: Path, rate_factor: float = 1.0
+) -> dict[str, Any]:
+    """One lab of `peers/scenario_<name>.toml` (rates x `rate_factor`): measure links, train `order`."""
     path = REPO / "peers" / f"scenario_{name}.toml"
-    profile = load_profile(path)
+    profile = slowed(load_profile(path), rate_factor)
     config = workdir / "peer.toml"
     config.write_text(PEER_CONFIG)
     spec = job(max_steps=max_steps)
     prefix = "lpww" + os.urandom(2).hex()
     out = workdir / f"{name}.json"
     started = time.monotonic()
-    with Swarm.from_profile(path, netns=True, prefix=prefix, peer_config=config) as swarm:
+    with Swarm(profile, netns=True, prefix=prefix, profile_path=str(path), peer_config=config) as swarm:
         assert swarm.lab is not None
         names = {m.peer_id: m.name for m in swarm.peers if m.peer_id}
         argv = [sys.executable, "-m", "benchmarks.plan_vs_random_driver", "--run-id", swarm.run_id]
@@ -140,7 +161,8 @@ def run_profile(name: str, *, max_steps: int, order: list[str], workdir: Path) -
         if driver.returncode != 0:
             raise RuntimeError(log.read_text(errors="replace")[-4000:])
         result: dict[str, Any] = json.loads(out.read_text())
-    result["profile"] = name
+    result["profile"] = name if rate_factor == 1 else f"{name} (rates x{rate_factor:g})"
+    result["rate_factor"] = rate_factor
     result["prefix"] = prefix
     result["names"] = names
     result["elapsed_s"] = time.monotonic() - started
@@ -238,14 +260,19 @@ def merge(
     return kept_rows + rows, kept_runs + results
 
 
-def main(quick: bool = False, profiles: list[str] | None = None, unlinked: bool = True) -> None:
+def main(
+    quick: bool = False, profiles: list[str] | None = None, unlinked: bool = True, rate_factor: float = 1.0
+) -> None:
     profiles = profiles or PROFILES
     order = ORDER if unlinked else [k for k in ORDER if k != "C"]
     max_steps = 30 if quick else 60
     results = []
     with tempfile.TemporaryDirectory(prefix="ravnest-lp-") as tmp:
         for name in profiles:
-            results.append(run_profile(name, max_steps=max_steps, order=order, workdir=Path(tmp)))
+            result = run_profile(
+                name, max_steps=max_steps, order=order, workdir=Path(tmp), rate_factor=rate_factor
+            )
+            results.append(result)
             print(json.dumps(summarise(results[-1])), flush=True)
     json_path = RESULTS_DIR / "plan_vs_random.json"
     old = json.loads(json_path.read_text()) if json_path.exists() else None
@@ -264,5 +291,11 @@ if __name__ == "__main__":
     parser.add_argument(
         "--no-unlinked", action="store_true", help="only A and B (no C: planned with use_links=False)"
     )
+    parser.add_argument(
+        "--rate-factor",
+        type=float,
+        default=1.0,
+        help="multiply every rate of the profiles (rows are named '<profile> (rates x<factor>)')",
+    )
     cli = parser.parse_args()
-    main(quick=cli.quick, profiles=cli.profiles, unlinked=not cli.no_unlinked)
+    main(quick=cli.quick, profiles=cli.profiles, unlinked=not cli.no_unlinked, rate_factor=cli.rate_factor)
