@@ -237,7 +237,12 @@ NOTES = (
     "planned_over_unlinked = mean(A) / mean(C). slowest_hop = per cluster, the slowest emulated rate "
     "between consecutive stages. load_1min = the host's 1-minute load average over the runs (2 CPUs). "
     "DT-FM reports up to 2.7x over random in its world-wide case. "
-    "Command: python -m benchmarks.bench_plan_vs_random"
+    "world_wide = peers/scenario_world_wide.toml "
+    "(DT-FM's 8 regions, one peer each, scale 0.17: 57-197 Mbit/s); '(rates x0.25)' = the same profile "
+    "with every rate x0.25 (--rate-factor 0.25: 14-49 Mbit/s), slow enough that the wire, not this "
+    "host's CPU (~230 ms per micro-batch), bounds a stage. Rows are kept across runs: each says when it "
+    "ran (run_utc) and its load. "
+    "Command: python -m benchmarks.bench_plan_vs_random [--profiles NAME ...] [--rate-factor F]"
 )
 
 
