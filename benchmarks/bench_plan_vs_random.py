@@ -12,16 +12,21 @@ Interleaving makes the drift of the shared host's load hit every arm.
 
 Workload: an MLP of 3 hidden layers of width 128 + head (4 cuttable layers, so 2 clusters x 4 stages),
 micro-batches of 2048 samples: every stage boundary carries 2048 x 128 x 4 B = 1 MiB forward and the
-same gradient back. The profiles' scaled pipeline messages are 10.1 MB (multi_datacenter) and 50.6 MB
-(regional); ours is about 1/10 and 1/50 of those, so that a run of 60 micro-batches fits in minutes, and
-the model is kept narrow so that at the fast rate (200 Mbit/s: 44 ms per MiB) compute per stage is of
-the same order as a transfer while a slow cross-site hop (22.4 Mbit/s: 390 ms) dominates: the regime of
-DT-FM's comparison (communication-bound geo-distributed training). Averaging between the two clusters
-every 10 micro-batches: its payload (one stage's weights, <= 66 KB) is small, unlike the paper's.
+same gradient back. The profiles' scaled pipeline messages are 10.1 MB (multi_datacenter), 50.6 MB
+(regional) and 86.0 MB (world_wide); ours is about 1/10, 1/50 and 1/80 of those, so that a run of 60
+micro-batches fits in minutes, and the model is kept narrow so that at the fast rate (200 Mbit/s: 44 ms
+per MiB) compute per stage is of the same order as a transfer while a slow cross-site hop dominates
+(multi_datacenter's 22.4 Mbit/s: 390 ms; world_wide's slowest, seoul-ireland 57 Mbit/s: 147 ms): the
+regime of DT-FM's comparison (communication-bound geo-distributed training). Averaging between the two
+clusters every 10 micro-batches: its payload (one stage's weights, <= 66 KB) is small, unlike the
+paper's. The same job runs on every profile.
+
+A run rewrites only its own profiles' rows in `results/plan_vs_random.json`: the other profiles' rows
+and runs are kept from the file (each row says when it ran, ``run_utc``, and its host load).
 
 Usage (root; about 10 min per profile on the shared 2-core host)::
 
-    python -m benchmarks.bench_plan_vs_random --profiles multi_datacenter regional
+    python -m benchmarks.bench_plan_vs_random --profiles multi_datacenter regional world_wide
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 DTFM_WORLD_WIDE_SPEEDUP = 2.7  # DT-FM (Yuan et al., NeurIPS 2022): up to 2.7x over random, world-wide case
 ORDER = ["A", "B", "C"] * 3
 SEEDS = [11, 12, 13]
+PROFILES = ["multi_datacenter", "regional", "world_wide"]
 
 # Probes: the defaults (every 30 s, 2 peers a round, every 2 s until each peer was probed once) already
 # measure all 7 pairs within a minute; fanout 4 halves that, and a long period keeps probe traffic out
@@ -87,6 +93,25 @@ def true_rate_mbps(profile: SwarmProfile, src: str, dst: str) -> float:
     return min(rates) if rates else float("inf")
 
 
+def slowed(profile: SwarmProfile, factor: float) -> SwarmProfile:
+    """`profile` with every rate (and its `scale`) times `factor`: the same contrasts, slower wires."""
+
+    def rate(mbps: float | None) -> float | None:
+        return None if mbps is None else mbps * factor
+
+    peers = [
+        p.model_copy(
+            update={
+                "upload_mbps": rate(p.upload_mbps),
+                "download_mbps": rate(p.download_mbps),
+                "upload_to_mbps": {k: v * factor for k, v in p.upload_to_mbps.items()},
+            }
+        )
+        for p in profile.peers
+    ]
+    return profile.model_copy(update={"peers": peers, "scale": profile.scale * factor})
+
+
 def samples_per_s(run: dict[str, Any], batch: int) -> float:
     """The job's rate: each cluster's first stage, micro-batches x batch / its training wall time, summed."""
     firsts = [m for m in run["metrics"] if m["stage"] == 0]
@@ -106,17 +131,19 @@ def _slowest_hops(placement: list[list[dict[str, Any]]], names: dict[str, str], 
     return "/".join(out)
 
 
-def run_profile(name: str, *, max_steps: int, order: list[str], workdir: Path) -> dict[str, Any]:
-    """One lab of `peers/scenario_<name>.toml`: measure links, then train `order`; return the summary."""
+def run_profile(
+    name: str, *, max_steps: int, order: list[str], workdir: Path, rate_factor: float = 1.0
+) -> dict[str, Any]:
+    """One lab of `peers/scenario_<name>.toml` (rates x `rate_factor`): measure links, train `order`."""
     path = REPO / "peers" / f"scenario_{name}.toml"
-    profile = load_profile(path)
+    profile = slowed(load_profile(path), rate_factor)
     config = workdir / "peer.toml"
     config.write_text(PEER_CONFIG)
     spec = job(max_steps=max_steps)
-    prefix = "lp" + os.urandom(2).hex()
+    prefix = "lpww" + os.urandom(2).hex()
     out = workdir / f"{name}.json"
     started = time.monotonic()
-    with Swarm.from_profile(path, netns=True, prefix=prefix, peer_config=config) as swarm:
+    with Swarm(profile, netns=True, prefix=prefix, profile_path=str(path), peer_config=config) as swarm:
         assert swarm.lab is not None
         names = {m.peer_id: m.name for m in swarm.peers if m.peer_id}
         argv = [sys.executable, "-m", "benchmarks.plan_vs_random_driver", "--run-id", swarm.run_id]
@@ -134,10 +161,12 @@ def run_profile(name: str, *, max_steps: int, order: list[str], workdir: Path) -
         if driver.returncode != 0:
             raise RuntimeError(log.read_text(errors="replace")[-4000:])
         result: dict[str, Any] = json.loads(out.read_text())
-    result["profile"] = name
+    result["profile"] = name if rate_factor == 1 else f"{name} (rates x{rate_factor:g})"
+    result["rate_factor"] = rate_factor
     result["prefix"] = prefix
     result["names"] = names
     result["elapsed_s"] = time.monotonic() - started
+    result["run_utc"] = machine_facts()["time_utc"]
     for run in result["runs"]:
         run["samples_per_s"] = samples_per_s(run, spec.batch_size)
         run["slowest_hop_mbps"] = _slowest_hops(result["placements"][run["placement"]], names, profile)
@@ -166,6 +195,7 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
         "load_1min": f"{min(loads):.1f}-{max(loads):.1f}",
         "links_wait_s": result["links_wait_s"],
         "dtfm_world_wide": DTFM_WORLD_WIDE_SPEEDUP,
+        "run_utc": result["run_utc"],
     }
 
 
@@ -175,7 +205,7 @@ def plot(rows: list[dict[str, Any]], results: list[dict[str, Any]], path: Path) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(3 + 2.5 * len(results), 4))
     num_runs = max(len(r["runs"]) for r in results)
     width = 0.8 / num_runs
     for p, result in enumerate(results):
@@ -207,34 +237,70 @@ NOTES = (
     "planned_over_unlinked = mean(A) / mean(C). slowest_hop = per cluster, the slowest emulated rate "
     "between consecutive stages. load_1min = the host's 1-minute load average over the runs (2 CPUs). "
     "DT-FM reports up to 2.7x over random in its world-wide case. "
-    "Command: python -m benchmarks.bench_plan_vs_random"
+    "world_wide = peers/scenario_world_wide.toml "
+    "(DT-FM's 8 regions, one peer each, scale 0.17: 57-197 Mbit/s); '(rates x0.25)' = the same profile "
+    "with every rate x0.25 (--rate-factor 0.25: 14-49 Mbit/s), slow enough that the wire, not this "
+    "host's CPU (~230 ms per micro-batch), bounds a stage. Rows are kept across runs: each says when it "
+    "ran (run_utc) and its load. "
+    "Command: python -m benchmarks.bench_plan_vs_random [--profiles NAME ...] [--rate-factor F]"
 )
 
 
-def main(quick: bool = False, profiles: list[str] | None = None, unlinked: bool = True) -> None:
-    profiles = profiles or ["multi_datacenter", "regional"]
+def merge(
+    old: dict[str, Any] | None, rows: list[dict[str, Any]], results: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows and runs to keep: the previous file's profiles not run now, then this run's.
+
+    A profile run again replaces its old row and runs; rows of earlier runs keep their own date
+    (``run_utc``, taken from the old file's machine facts when the row predates the column) and load.
+    """
+    if not old:
+        return rows, results
+    fresh = {r["profile"] for r in rows}
+    old_date = old.get("machine", {}).get("time_utc", "")
+    kept_rows = [
+        {**r, "run_utc": r.get("run_utc", old_date)} for r in old["rows"] if r["profile"] not in fresh
+    ]
+    kept_runs = [r for r in old.get("runs", []) if r["profile"] not in fresh]
+    return kept_rows + rows, kept_runs + results
+
+
+def main(
+    quick: bool = False, profiles: list[str] | None = None, unlinked: bool = True, rate_factor: float = 1.0
+) -> None:
+    profiles = profiles or PROFILES
     order = ORDER if unlinked else [k for k in ORDER if k != "C"]
     max_steps = 30 if quick else 60
     results = []
     with tempfile.TemporaryDirectory(prefix="ravnest-lp-") as tmp:
         for name in profiles:
-            results.append(run_profile(name, max_steps=max_steps, order=order, workdir=Path(tmp)))
+            result = run_profile(
+                name, max_steps=max_steps, order=order, workdir=Path(tmp), rate_factor=rate_factor
+            )
+            results.append(result)
             print(json.dumps(summarise(results[-1])), flush=True)
-    rows = [summarise(r) for r in results]
-    json_path = record("plan_vs_random", rows, notes=NOTES)
+    json_path = RESULTS_DIR / "plan_vs_random.json"
+    old = json.loads(json_path.read_text()) if json_path.exists() else None
+    rows, results = merge(old, [summarise(r) for r in results], results)
+    record("plan_vs_random", rows, notes=NOTES)
     payload = json.loads(json_path.read_text())
     payload["runs"] = results
-    payload["machine"] = machine_facts()
     json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     plot(rows, results, RESULTS_DIR / "plan_vs_random.png")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_plan_vs_random")
-    parser.add_argument("--profiles", nargs="+", default=["multi_datacenter", "regional"])
+    parser.add_argument("--profiles", nargs="+", default=PROFILES, help="peers/scenario_<name>.toml")
     parser.add_argument("--quick", action="store_true", help="30 micro-batches per run instead of 60")
     parser.add_argument(
         "--no-unlinked", action="store_true", help="only A and B (no C: planned with use_links=False)"
     )
+    parser.add_argument(
+        "--rate-factor",
+        type=float,
+        default=1.0,
+        help="multiply every rate of the profiles (rows are named '<profile> (rates x<factor>)')",
+    )
     cli = parser.parse_args()
-    main(quick=cli.quick, profiles=cli.profiles, unlinked=not cli.no_unlinked)
+    main(quick=cli.quick, profiles=cli.profiles, unlinked=not cli.no_unlinked, rate_factor=cli.rate_factor)

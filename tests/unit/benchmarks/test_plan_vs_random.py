@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.bench_plan_vs_random import samples_per_s, true_rate_mbps
+from benchmarks.bench_plan_vs_random import merge, samples_per_s, slowed, true_rate_mbps
 from benchmarks.plan_vs_random_driver import random_assignment
 
 from ravnest_p2p.lab import load_profile
@@ -50,3 +50,27 @@ def test_samples_per_s_sums_the_clusters_first_stages():
         ]
     }
     assert samples_per_s(run, batch=100) == 500 + 250
+
+
+def test_merge_keeps_the_other_profiles_rows_and_replaces_the_rerun_ones():
+    old = {
+        "machine": {"time_utc": "T0"},
+        "rows": [{"profile": "multi_datacenter", "x": 1}, {"profile": "regional", "x": 2}],
+        "runs": [{"profile": "multi_datacenter"}, {"profile": "regional", "old": True}],
+    }
+    rows, runs = merge(old, [{"profile": "regional", "x": 3, "run_utc": "T1"}], [{"profile": "regional"}])
+    assert rows == [
+        {"profile": "multi_datacenter", "x": 1, "run_utc": "T0"},
+        {"profile": "regional", "x": 3, "run_utc": "T1"},
+    ]
+    assert runs == [{"profile": "multi_datacenter"}, {"profile": "regional"}]
+    assert merge(None, rows, runs) == (rows, runs)
+
+
+def test_slowed_profile_multiplies_every_rate_and_the_scale():
+    profile = load_profile(Path(__file__).parents[3] / "peers" / "scenario_world_wide.toml")
+    slow = slowed(profile, 0.25)
+    assert slow.scale == profile.scale * 0.25
+    assert true_rate_mbps(slow, "oregon-0", "ohio-0") == true_rate_mbps(profile, "oregon-0", "ohio-0") * 0.25
+    assert slow.peers[0].upload_mbps == profile.peers[0].upload_mbps * 0.25
+    assert slowed(profile, 1.0) == profile

@@ -45,7 +45,7 @@ def test_every_shipped_profile_parses(path: Path) -> None:
 def test_required_profiles_exist() -> None:
     names = {p.name for p in PEERS_DIR.glob("*.toml")}
     assert {"hetero8.toml", "hetero16.toml", "uniform4.toml", "lab4.toml"} <= names
-    assert len([n for n in names if n.startswith("scenario_")]) == 4
+    assert len([n for n in names if n.startswith("scenario_")]) == 5
 
 
 def test_hetero8_shape() -> None:
