@@ -11,6 +11,7 @@ import logging
 from collections.abc import Sequence
 
 from ravnest_p2p.planning.clustering import cluster_peers
+from ravnest_p2p.planning.link_swaps import swap_between_clusters
 from ravnest_p2p.planning.links import LinkMatrix
 from ravnest_p2p.planning.ordering import order_stages
 from ravnest_p2p.planning.partition import evaluate_partition
@@ -142,4 +143,8 @@ def fresh_clusters(
             spare_list += members_list
         else:
             plans.append(plan)
+    if links is not None and len(links) > 0:  # the split inside a site was blind to the measured pairs
+        plans = swap_between_clusters(
+            plans, peers, lambda index, members: cluster_plan(index, members, layers, job, links)
+        )
     return plans, spare_list
