@@ -77,7 +77,7 @@ def _timed(fn: Callable[[], Plan]) -> tuple[Plan, float]:
 
 
 def _baseline_plan(peers: Sequence[PeerCapacity], kind: str) -> Plan:
-    with mock.patch("ravnest_p2p.planning.plan.cluster_peers", baseline_cluster_peers):
+    with mock.patch("ravnest_p2p.planning.cluster_plans.cluster_peers", baseline_cluster_peers):
         return make_plan(peers, model_layers(kind), JOB, epoch=1)
 
 
