@@ -113,7 +113,7 @@ def test_propose_along_passes_exactly_the_swaps_accepted_along_the_current_order
         hard[full.b, :] = hard[:, full.b] = full.row_b
         dp = state.dp.copy()
         dp[full.a], dp[full.b] = full.dp_a, full.dp_b
-        along = float(dp.max()) + path_length(hard, state.order) + 0.1 * float(dp.mean())
+        along = float(dp.max()) + path_length(hard, state.order) + state.dp_weight * float(dp.mean())
         ceiling = state.energy + float(rng.exponential(0.02 * state.energy))
         screened_swap = state.propose_along(u, v, ceiling)
         if along > ceiling * (1 + 1e-12):
