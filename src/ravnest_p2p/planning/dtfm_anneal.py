@@ -54,10 +54,11 @@ __all__ = ["AnnealOutcome", "SwapState", "anneal"]
 
 _DP_MEAN_WEIGHT = 0.1
 # Noisy networks (no twins) have no plateaus for the mean to tilt, and the 0.1 x mean all-reduce time
-# (~2% of a hard case's cost) pulls the cool phase off the true cost's minima. Session 12, 60 s CPU,
-# against the 600 s references: 16x8 seeds 0-2 1.075 / 1.062 / 1.092x with the slope, 1.042 / 1.076 /
-# 1.016x without; 8x8 seed 2 1.028 -> 1.003x; 8x16 seeds 0 / 2 1.045 / 1.045 -> 1.073 / 1.040x (one
-# run each: the spread between runs is of the same size; the rule follows the argument, not the wide case).
+# (~2% of a hard case's cost) is not what the search is asked to minimise: the energy is the true cost
+# there. Measured (session 12, 60 s CPU, ratio to the 600 s references, all runs of both versions
+# that day): 16x8 mean 1.066 without the slope (6 runs, 1.016-1.153) vs 1.063 with it (7 runs,
+# 1.017-1.092); 8x8 1.018 (4) vs 1.014 (6); 8x16 1.041 (5) vs 1.040 (5): no difference the spread
+# between runs of one version (3-14%) can show.
 _NOISY_DP_MEAN_WEIGHT = 0.0
 _SOFT_GAP = 0.5
 _SOFT_CACHE_LIMIT = 200_000
