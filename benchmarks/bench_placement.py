@@ -256,10 +256,9 @@ def merge(settings: dict[str, Any]) -> None:
         "--reference-cpu-s 600` (one run per case, seed 100+i), replaced by any run that beats them; the "
         "file records, per case, the method, its CPU budget and the CPU it used (the issue asks >= 600 s). "
         "networks.json holds the five DT-FM scenarios; public runs stop once within 0.1% of the best known "
-        "(TARGET_SLACK). Hard rows without `load_1min` (all plain-annealer rows among them) are from the "
-        "session-8 run of commit 89a4c24 (results/placement_hard_session8.md). Runs: "
-        + "; ".join(ran)
-        + (". Curves: placement.png." if plotted else ".")
+        "(TARGET_SLACK). A run with --no-plain keeps the plain annealer's rows of an earlier run (the "
+        "part file keeps every row a run did not repeat; `Runs` below names each part's last run, each "
+        "row its load). Runs: " + "; ".join(ran) + (". Curves: placement.png." if plotted else ".")
     )
     json_path = record("placement", rows, notes=notes)
     payload = json.loads(json_path.read_text())
