@@ -23,8 +23,8 @@ machine up as consecutive stages of one pipeline is what the best ``datacenter_s
 single swaps cannot climb to it: an edge stays as slow as its slowest pair until every replica's pair
 across it is co-located. Measured without the structure-aware starts: 6.57 s (1.50x the best known,
 every seed, GA or annealing with swaps only) -> 4.389 s (the best known) after 2.6 s CPU. Half of the
-compound moves are `_even_site_move` instead: it gives each group of a stretch one device of a site
-that some groups hold twice and others lack, sending back a device doubled in the receiving group
+compound moves are `dtfm_site_moves.even_out_site` instead: it gives each group of a stretch one device
+of a site that some groups hold twice and others lack, sending back a device doubled in the receiving group
 (session 12: without the structure starts ``datacenter_on_demand`` sat at 1.26x on some seeds, one
 misaligned edge short of the best; now every seed reaches the best known in < 0.5 s CPU).
 
@@ -33,7 +33,8 @@ On noisy networks (no twins) 90% of the swaps are screened along the current sta
 current path that touch them are solved, and a swap is fully scored (every changed edge, the path) only
 if it passes there; the other 10% go through the exact `propose_below`, so swaps that pay only through
 a new stage order still happen. Per proposal (same seeded anneal, both trees at once, load ~6): 16x8
-451 -> 191 us, 8x8 268 -> 160 us, 8x16 324 -> 222 us.
+451 -> 191 us, 8x8 268 -> 160 us, 8x16 324 -> 179 us (wide groups: the <= 4 edges at their lower
+bounds first).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import numpy as np
 from ravnest_p2p.planning.dtfm import CostModel, Placement, max_matching_size, open_loop_tsp
 from ravnest_p2p.planning.dtfm_hall import HALL_LIMIT
 from ravnest_p2p.planning.dtfm_paths import EXACT_TSP_LIMIT, shortest_path
+from ravnest_p2p.planning.dtfm_site_moves import even_out_site, spread_site
 from ravnest_p2p.planning.dtfm_structure import deciding_twins
 
 __all__ = ["AnnealOutcome", "SwapState", "anneal"]
@@ -63,9 +65,9 @@ _NOISY_DP_MEAN_WEIGHT = 0.0
 _SOFT_GAP = 0.5
 _SOFT_CACHE_LIMIT = 200_000
 _SITE_MOVE_RATE = 0.1
-_ALONG = True
+_ALONG = True  # noisy networks: screen swaps along the current order (`SwapState.propose_along`)
 _EXACT_SHARE = 0.1  # of the swaps on noisy networks: scored exactly (`propose_below`), not along the order
-_EVEN_SHARE = 0.5  # of the site moves: `_even_site_move` (else `_site_move`)
+_EVEN_SHARE = 0.5  # of the site moves: `even_out_site` (else `spread_site`)
 
 
 @dataclass
@@ -366,93 +368,6 @@ def _pick_swap(state: SwapState, classes: np.ndarray, rng: np.random.Generator) 
     return None
 
 
-def _site_move(state: SwapState, sites: list[list[int]], rng: np.random.Generator, threshold: float) -> bool:
-    """Spread a random site over consecutive path positions (a compound of swaps); undo unless accepted.
-
-    This is the move that lines co-located devices up as consecutive stages of one pipeline, which
-    single swaps cannot reach on plateaus: every edge stays as slow as its slowest pair until all the
-    replicas' pairs across it are co-located.
-    """
-    site = sites[int(rng.integers(len(sites)))]
-    members = set(site)
-    order = state.order
-    span = min(len(site), len(order))
-    first = int(rng.integers(len(order) - span + 1))
-    devices = [site[int(i)] for i in rng.permutation(len(site))[:span]]
-    before = state.energy
-    done: list[tuple[int, int]] = []
-    for device, group in zip(devices, order[first : first + span], strict=True):
-        if state.group_of[device] == group:
-            continue
-        partners = [d for d in state.groups[group] if d not in members]
-        if not partners:
-            continue
-        partner = partners[int(rng.integers(len(partners)))]
-        state.apply(state.propose(device, partner))
-        done.append((device, partner))
-    if not done:
-        return False
-    if state.energy - before <= threshold:
-        return True
-    for device, partner in reversed(done):
-        state.apply(state.propose(device, partner))
-    return False
-
-
-def _even_site_move(
-    state: SwapState,
-    sites: list[list[int]],
-    site_of: np.ndarray,
-    rng: np.random.Generator,
-    threshold: float,
-) -> bool:
-    """Give each group of a stretch of the path one device of a site, taken from where it is doubled.
-
-    The other compound move for plateaus (see `_site_move`), for layouts with a site twice in some
-    groups and missing from others: a pipeline edge between such groups cannot pair every replica
-    inside its site, and repairing it one swap at a time first adds a second misaligned edge. Every
-    group of the stretch that lacks the site receives one of its devices from a group holding two or
-    more (or from outside the stretch) and sends back a device whose own site is doubled there, so
-    both groups end more even. Accepted or undone as a whole. Session 12: ``datacenter_on_demand``
-    without the structure starts sat at 1.26x the best known on some seeds, in layouts of two kinds
-    of groups (one machine twice and another missing, and the reverse), one misaligned edge apart.
-    """
-    pick = int(rng.integers(len(sites)))
-    site = sites[pick]
-    order = state.order
-    span = min(len(site), len(order))
-    first = int(rng.integers(len(order) - span + 1))
-    targets = order[first : first + span]
-    inside = set(targets)
-    before = state.energy
-    done: list[tuple[int, int]] = []
-    for group in targets:
-        holders = state.group_of[site]
-        if np.any(holders == group):
-            continue
-        counts = np.bincount(holders, minlength=len(state.groups))
-        donors = [d for d, g in zip(site, holders, strict=True) if counts[g] >= 2 or int(g) not in inside]
-        members = state.groups[group]
-        tags = site_of[members]
-        doubled = [
-            d for d, t in zip(members, tags, strict=True) if t >= 0 and t != pick and (tags == t).sum() >= 2
-        ]
-        pool = doubled or [d for d, t in zip(members, tags, strict=True) if t != pick]
-        if not donors or not pool:
-            continue
-        device = donors[int(rng.integers(len(donors)))]
-        partner = pool[int(rng.integers(len(pool)))]
-        state.apply(state.propose(device, partner))
-        done.append((device, partner))
-    if not done:
-        return False
-    if state.energy - before <= threshold:
-        return True
-    for device, partner in reversed(done):
-        state.apply(state.propose(device, partner))
-    return False
-
-
 def calibrate_temperature(state: SwapState, classes: np.ndarray, rng: np.random.Generator) -> float:
     """Temperature at which the median uphill move of ``state`` is accepted half the time."""
     uphill = []
@@ -505,9 +420,9 @@ def anneal(
             temperature = start_temperature * ratio**fraction
             threshold = -temperature * math.log(max(rng.random(), 1e-300))
             if rng.random() < _EVEN_SHARE:
-                moved = _even_site_move(state, big_sites, site_of, rng, threshold)
+                moved = even_out_site(state, big_sites, site_of, rng, threshold)
             else:
-                moved = _site_move(state, big_sites, rng, threshold)
+                moved = spread_site(state, big_sites, rng, threshold)
             if moved and state.cost < best_cost - 1e-12 * max(1.0, best_cost):
                 best_cost, best = state.cost, state.placement()
                 on_best(state)

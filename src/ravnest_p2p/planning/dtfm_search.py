@@ -81,7 +81,7 @@ Session 11 (the stall rule above, twin-class memo in `dtfm_anneal`, batched matc
 `docs/planning-placement.md` and `benchmarks/results/placement_session11.md`. Session 12: swaps on
 noisy networks are screened along the current stage order (`SwapState.propose_along`, ~2.4x the
 proposals per CPU second on 16x8) and a second compound move evens out doubled sites
-(`dtfm_anneal._even_site_move`); results in `docs/planning-placement.md`.
+(`dtfm_site_moves.even_out_site`); results in `docs/planning-placement.md`.
 
 Tried in session 12 and not kept (60 s CPU, 16x8, one run per seed, load 1-6): the cities of the
 generator given to the search as sites (an oracle; starts and site moves): 1.069 / 1.062x with the

@@ -157,7 +157,7 @@ def test_ga_method_still_runs() -> None:
 
 
 def test_site_move_is_undone_when_rejected_and_consistent_when_accepted() -> None:
-    from ravnest_p2p.planning.dtfm_anneal import _site_move
+    from ravnest_p2p.planning.dtfm_site_moves import spread_site
 
     # 4 stages x 4 replicas; devices 0-3 and 4-7 are two machines, the rest lone instances
     machine = np.array([0] * 4 + [1] * 4 + list(range(2, 10)))
@@ -170,10 +170,10 @@ def test_site_move_is_undone_when_rejected_and_consistent_when_accepted() -> Non
     for _ in range(10):
         state = SwapState(model, random_placement(model.workload, rng))
         before, cost = state.placement(), state.cost
-        assert not _site_move(state, sites, rng, threshold=-np.inf)
+        assert not spread_site(state, sites, rng, threshold=-np.inf)
         assert state.placement() == before
         assert state.cost == cost
-        _site_move(state, sites, rng, threshold=np.inf)
+        spread_site(state, sites, rng, threshold=np.inf)
         model.check(state.placement())
         assert state.cost == model.cost(state.placement())
 

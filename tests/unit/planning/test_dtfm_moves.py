@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from ravnest_p2p.planning import CostModel, Workload, dtfm_anneal, random_placement
-from ravnest_p2p.planning.dtfm_anneal import SwapState, _even_site_move, anneal
+from ravnest_p2p.planning.dtfm_anneal import SwapState, anneal
 from ravnest_p2p.planning.dtfm_paths import path_length
+from ravnest_p2p.planning.dtfm_site_moves import even_out_site
 
 # 4 machines x 4 devices, 4 stages x 4 replicas: inside a machine 100 Gbit/s, between machines 25
 # (DT-FM's datacenter_on_demand, scaled down). The best layout runs one pipeline per machine.
@@ -43,15 +44,15 @@ def _even(state: SwapState) -> bool:
     return all(sorted(MACHINE[list(g)].tolist()) == [0, 1, 2, 3] for g in state.groups)
 
 
-def test_even_site_move_gives_every_group_one_device_of_the_site() -> None:
+def test_even_out_site_gives_every_group_one_device_of_the_site() -> None:
     model = _machines_model()
     rng = np.random.default_rng(0)
     state = SwapState(model, _doubled_layout())
     before, cost = state.placement(), state.cost
-    assert not _even_site_move(state, SITES, _site_of(), rng, threshold=-np.inf)
+    assert not even_out_site(state, SITES, _site_of(), rng, threshold=-np.inf)
     assert (state.placement(), state.cost) == (before, cost)  # rejected: undone
     for _ in range(20):  # machines 0 and 1 are already even: only a pick of 2 or 3 moves anything
-        if _even_site_move(state, SITES, _site_of(), rng, threshold=np.inf):
+        if even_out_site(state, SITES, _site_of(), rng, threshold=np.inf):
             break
     assert _even(state)
     model.check(state.placement())
