@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 from ravnest_p2p.planning.types import ClusterPlan, InfeasiblePlan, PeerCapacity
 
-__all__ = ["MAX_EVALUATIONS", "MAX_PEERS", "swap_between_clusters"]
+__all__ = ["MAX_EVALUATIONS", "MAX_PEERS", "MAX_STAGES", "swap_between_clusters"]
 
 MAX_PEERS = 32
 """Largest number of planned peers the swap search runs on."""
