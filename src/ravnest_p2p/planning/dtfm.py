@@ -54,6 +54,7 @@ __all__ = [
     "Placement",
     "Workload",
     "bottleneck_matching",
+    "matching_lower_bound",
     "open_loop_tsp",
     "random_placement",
 ]
@@ -142,6 +143,12 @@ def max_matching_size(weights: np.ndarray, threshold: float) -> int:
     return _kuhn(_row_masks(weights <= threshold), weights.shape[1], perfect=False)[0]
 
 
+def matching_lower_bound(weights: np.ndarray) -> float:
+    """A lower bound of the bottleneck perfect matching of a square matrix: every row and every column
+    must be matched, so the answer is at least the largest row or column minimum."""
+    return max(float(weights.min(axis=1).max()), float(weights.min(axis=0).max()))
+
+
 def bottleneck_matching(weights: np.ndarray) -> tuple[float, tuple[int, ...]]:
     """Perfect matching of rows to columns minimising the largest matched weight.
 
@@ -160,7 +167,7 @@ def bottleneck_matching(weights: np.ndarray) -> tuple[float, tuple[int, ...]]:
     # entry from a reached row to an unreached column either reaches a free column (augment; the
     # matching stays maximum) or extends the forest. The entry that completes the matching is the
     # bottleneck. Each augmentation costs O(entries) bit operations; no threshold is tried twice.
-    lower = max(float(weights.min(axis=1).max()), float(weights.min(axis=0).max()))
+    lower = matching_lower_bound(weights)
     adjacency = _row_masks(weights <= lower)
     matched, row_of_col = _kuhn(adjacency, size, perfect=False)
     level = lower

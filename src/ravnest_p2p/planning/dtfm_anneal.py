@@ -46,7 +46,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ravnest_p2p.planning.dtfm import CostModel, Placement, max_matching_size, open_loop_tsp
+from ravnest_p2p.planning.dtfm import (
+    CostModel,
+    Placement,
+    matching_lower_bound,
+    max_matching_size,
+    open_loop_tsp,
+)
 from ravnest_p2p.planning.dtfm_hall import HALL_LIMIT
 from ravnest_p2p.planning.dtfm_paths import EXACT_TSP_LIMIT, shortest_path
 from ravnest_p2p.planning.dtfm_site_moves import even_out_site, spread_site
@@ -65,7 +71,6 @@ _NOISY_DP_MEAN_WEIGHT = 0.0
 _SOFT_GAP = 0.5
 _SOFT_CACHE_LIMIT = 200_000
 _SITE_MOVE_RATE = 0.1
-_ALONG = True  # noisy networks: screen swaps along the current order (`SwapState.propose_along`)
 _EXACT_SHARE = 0.1  # of the swaps on noisy networks: scored exactly (`propose_below`), not along the order
 _EVEN_SHARE = 0.5  # of the site moves: `even_out_site` (else `spread_site`)
 
@@ -220,8 +225,7 @@ class SwapState:
             weights = self.model.pp_weights
             low = 0.0
             for ga, gb in pairs:
-                sub = weights.take(ga, 0).take(gb, 1)
-                low += max(float(sub.min(axis=1).max()), float(sub.min(axis=0).max()))
+                low += matching_lower_bound(weights.take(ga, 0).take(gb, 1))
             if base + self.pp - old + low > ceiling:
                 return None
         pp = self.pp - old + sum(self.model.edge_costs(pairs))
@@ -314,8 +318,7 @@ class SwapState:
             sub = weights.take(members[gi], 0).take(cols, 1).reshape(r, len(others), r)
             low = np.maximum(sub.min(axis=2).max(axis=0), sub.min(axis=0).max(axis=1))
             bounds[gi, others] = bounds[others, gi] = low
-        sub = weights.take(group_a, 0).take(group_b, 1)
-        bounds[a, b] = bounds[b, a] = max(float(sub.min(axis=1).max()), float(sub.min(axis=0).max()))
+        bounds[a, b] = bounds[b, a] = matching_lower_bound(weights.take(group_a, 0).take(group_b, 1))
         base = float(dp.max()) + self.dp_weight * float(dp.mean())
         margin = ceiling + 1e-9 * max(1.0, abs(ceiling))
         solved: set[tuple[int, int]] = set()
@@ -406,7 +409,7 @@ def anneal(
     best_cost, best = state.cost, state.placement()
     ratio = end_temperature / start_temperature
     done = 0
-    along = not state.soft and _ALONG
+    along = not state.soft  # noisy networks: most swaps screened along the order (`propose_along`)
     big_sites = [list(site) for site in sites if len(site) > 1]
     site_of = np.full(len(state.group_of), -1)
     for index, site in enumerate(big_sites):

@@ -41,13 +41,7 @@ def spread_site(state: SwapState, sites: list[list[int]], rng: np.random.Generat
         partner = partners[int(rng.integers(len(partners)))]
         state.apply(state.propose(device, partner))
         done.append((device, partner))
-    if not done:
-        return False
-    if state.energy - before <= threshold:
-        return True
-    for device, partner in reversed(done):
-        state.apply(state.propose(device, partner))
-    return False
+    return _keep_or_undo(state, done, before, threshold)
 
 
 def even_out_site(
@@ -95,6 +89,11 @@ def even_out_site(
         partner = pool[int(rng.integers(len(pool)))]
         state.apply(state.propose(device, partner))
         done.append((device, partner))
+    return _keep_or_undo(state, done, before, threshold)
+
+
+def _keep_or_undo(state: SwapState, done: list[tuple[int, int]], before: float, threshold: float) -> bool:
+    """Keep the swaps ``done`` if the energy rose by at most ``threshold`` since ``before``, else undo."""
     if not done:
         return False
     if state.energy - before <= threshold:
