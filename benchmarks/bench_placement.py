@@ -55,6 +55,17 @@ def _load(name: str) -> dict[str, Any]:
     return data
 
 
+def inter_link(scenario: dict[str, Any], a: str, b: str) -> tuple[float, float]:
+    """[delay_ms, Gbit/s] between groups named a and b of a networks.json scenario: its ``inter`` table
+    (each unordered pair listed once), else its ``inter_default``; KeyError when it has neither."""
+    pair = scenario.get("inter", {}).get(a, {}).get(b) or scenario.get("inter", {}).get(b, {}).get(a)
+    if pair is None:
+        if "inter_default" not in scenario:
+            raise KeyError(f"no inter link between {a!r} and {b!r}")
+        pair = (scenario["inter_default"]["delay_ms"], scenario["inter_default"]["bandwidth_gbps"])
+    return float(pair[0]), float(pair[1])
+
+
 def build_matrices(scenario: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     """``(latency_s, bandwidth_bytes_per_s)`` for one scenario of networks.json."""
     group_of: list[int] = []
@@ -62,15 +73,11 @@ def build_matrices(scenario: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     for index, (name, count) in enumerate(scenario["groups"]):
         group_of += [index] * count
         name_of += [name] * count
-    inter = scenario.get("inter", {})
 
     def link(i: int, j: int) -> tuple[float, float]:
         if group_of[i] == group_of[j]:
             return scenario["intra"]["delay_ms"], scenario["intra"]["bandwidth_gbps"]
-        pair = inter.get(name_of[i], {}).get(name_of[j]) or inter.get(name_of[j], {}).get(name_of[i])
-        if pair is not None:
-            return float(pair[0]), float(pair[1])
-        return scenario["inter_default"]["delay_ms"], scenario["inter_default"]["bandwidth_gbps"]
+        return inter_link(scenario, name_of[i], name_of[j])
 
     n = len(group_of)
     latency, bandwidth = np.zeros((n, n)), np.zeros((n, n))

@@ -20,17 +20,10 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_placement import inter_link
+
 REPO = Path(__file__).resolve().parents[1]
 NETWORKS = REPO / "benchmarks" / "data" / "networks.json"
-
-
-def inter_link(scenario: dict[str, Any], a: str, b: str) -> tuple[float, float]:
-    """[delay_ms, Gbit/s] between groups a and b (the table lists each unordered pair once)."""
-    inter = scenario["inter"]
-    pair = inter.get(a, {}).get(b) or inter.get(b, {}).get(a)
-    if pair is None:
-        raise KeyError(f"no inter link between {a!r} and {b!r}")
-    return float(pair[0]), float(pair[1])
 
 
 def scaled_mbps(gbps: float, scale: float) -> float:
