@@ -140,7 +140,7 @@ def run_profile(
     config = workdir / "peer.toml"
     config.write_text(PEER_CONFIG)
     spec = job(max_steps=max_steps)
-    prefix = "lpww" + os.urandom(2).hex()
+    prefix = "lp" + os.urandom(2).hex()
     out = workdir / f"{name}.json"
     started = time.monotonic()
     with Swarm(profile, netns=True, prefix=prefix, profile_path=str(path), peer_config=config) as swarm:
