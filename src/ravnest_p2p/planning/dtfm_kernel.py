@@ -1,0 +1,383 @@
+"""Compiled annealing over DT-FM placements *and* stage orders, for noisy networks (see `dtfm_search`).
+
+Why. On noisy networks (no twins, no plateaus) the Python annealer (`dtfm_anneal`) spends 160-190 us
+per swap proposal (bitmask matchings, path searches, Python objects), so a minute of CPU is ~350k
+proposals, and which basin a 60 s run ends in varied by 3-14% between runs of the same code (session
+12). This module runs the same kind of search compiled (numba), at ~1-3 us per proposal.
+
+State. The partition (``members[g]``: the devices of stage group ``g``) *and* a stage order
+(``order``: a permutation of the groups). The energy is the DT-FM cost of the placement *along that
+order*: ``max_g DP(g) + sum_i edge(order[i], order[i + 1])`` with the same arithmetic as
+`dtfm.CostModel` (``DP`` from the per-device row sums of the all-reduce weights inside the group,
+``edge`` the bottleneck perfect matching of the pipeline weights). That is an upper bound of the true
+cost (whose path is the optimal open-loop TSP over the groups); the two meet when the order is
+optimal, and order moves keep it near-optimal, so the search optimises both together instead of
+solving a TSP per proposal. The caller re-scores the result exactly.
+
+Moves (Metropolis at the caller's temperature):
+
+* **swap** two devices of different groups: new row sums of the two groups (``O(D_DP)`` each), their
+  all-reduce costs, and the <= 4 edges of the current order that touch them (bottleneck matchings);
+  rejected as soon as the edges solved so far already put the energy above the acceptance threshold.
+* **reverse** a stretch of the order (2-opt on an open path: <= 2 edges change);
+* **relocate** one group to another position (Or-opt of one: <= 3 edges change).
+
+Edges between groups are cached in a ``G x G`` matrix (``-1`` = unknown) and a swap forgets the rows
+of the two groups it changed. Bottleneck matching: the matching at the largest row/column minimum
+(a lower bound of the answer), then breadth-first alternating searches from every free row at once;
+when none reaches a free column, the threshold rises to the cheapest entry from a reached row to an
+unreached column, the least that can extend the forest. Exact; the unit tests check it against
+`dtfm.bottleneck_matching`.
+
+Reproducible: the kernel draws from numba's own generator, seeded by `seed`; the same seed and the
+same sequence of ``run`` calls give the same result. Compiled once per install (``cache=True``: the
+first import in a fresh checkout compiles for ~10 s of CPU; later processes load the cache).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+__all__ = ["KernelState", "bottleneck", "seed"]
+
+
+@njit(cache=True)
+def seed(value: int) -> None:
+    """Seed the kernel's generator (numba keeps its own, separate from numpy's)."""
+    np.random.seed(value)
+
+
+@njit(cache=True)
+def bottleneck(weights: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> float:  # pragma: no cover
+    """Bottleneck perfect matching of ``weights[rows][:, cols]`` (square): its largest matched weight."""
+    size = rows.shape[0]
+    sub = np.empty((size, size))
+    for r in range(size):
+        for c in range(size):
+            sub[r, c] = weights[rows[r], cols[c]]
+    level = 0.0
+    for r in range(size):
+        low = sub[r, 0]
+        for c in range(1, size):
+            low = min(low, sub[r, c])
+        level = max(level, low)
+    for c in range(size):
+        low = sub[0, c]
+        for r in range(1, size):
+            low = min(low, sub[r, c])
+        level = max(level, low)
+    col_of_row = np.full(size, -1, np.int64)
+    row_of_col = np.full(size, -1, np.int64)
+    matched = 0
+    for r in range(size):  # greedy start at the lower bound
+        for c in range(size):
+            if row_of_col[c] < 0 and sub[r, c] <= level:
+                row_of_col[c] = r
+                col_of_row[r] = c
+                matched += 1
+                break
+    via = np.empty(size, np.int64)
+    queue = np.empty(size, np.int64)
+    reached = np.empty(size, np.bool_)
+    while matched < size:
+        via[:] = -1
+        reached[:] = False
+        tail = 0
+        for r in range(size):
+            if col_of_row[r] < 0:
+                queue[tail] = r
+                reached[r] = True
+                tail += 1
+        head = 0
+        found = -1
+        while head < tail and found < 0:
+            r = queue[head]
+            head += 1
+            for c in range(size):
+                if via[c] < 0 and sub[r, c] <= level:
+                    via[c] = r
+                    nxt = row_of_col[c]
+                    if nxt < 0:
+                        found = c
+                        break
+                    if not reached[nxt]:
+                        reached[nxt] = True
+                        queue[tail] = nxt
+                        tail += 1
+        if found >= 0:
+            c = found
+            while c >= 0:
+                r = via[c]
+                previous = col_of_row[r]
+                col_of_row[r] = c
+                row_of_col[c] = r
+                c = previous
+            matched += 1
+        else:
+            rise = np.inf
+            for r in range(size):
+                if reached[r]:
+                    for c in range(size):
+                        if via[c] < 0 and sub[r, c] < rise:
+                            rise = sub[r, c]
+            level = rise
+    return level
+
+
+@njit(cache=True)
+def _edge(pp, members, cache, g, h):  # pragma: no cover
+    if cache[g, h] < 0.0:
+        value = bottleneck(pp, members[g], members[h])
+        cache[g, h] = value
+        cache[h, g] = value
+    return cache[g, h]
+
+
+@njit(cache=True)
+def _path(pp, members, cache, order):  # pragma: no cover
+    total = 0.0
+    for i in range(order.shape[0] - 1):
+        total += _edge(pp, members, cache, order[i], order[i + 1])
+    return total
+
+
+@njit(cache=True)
+def _swap(pp, dp, members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, temperature, delta_only):  # pragma: no cover
+    """One swap proposal; returns the energy delta (applied if accepted; ``delta_only`` never applies)."""
+    n = group_of.shape[0]
+    size = members.shape[1]
+    stages = members.shape[0]
+    i = np.random.randint(0, n)
+    j = np.random.randint(0, n)
+    a = group_of[i]
+    b = group_of[j]
+    while a == b:
+        j = np.random.randint(0, n)
+        b = group_of[j]
+    new_a = members[a].copy()
+    new_b = members[b].copy()
+    new_a[slot_of[i]] = j
+    new_b[slot_of[j]] = i
+    sums_a = np.empty(size)
+    sums_b = np.empty(size)
+    # row sums updated in O(D_DP): each member loses its weight to the leaving device, gains the new one
+    top_a = 0.0
+    for k in range(size):
+        m = new_a[k]
+        if m == j:
+            total = 0.0
+            for q in range(size):
+                if q != k:
+                    total += dp[j, new_a[q]]
+        else:
+            total = sums[m] - dp[m, i] + dp[m, j]
+        sums_a[k] = total
+        top_a = max(top_a, total)
+    top_b = 0.0
+    for k in range(size):
+        m = new_b[k]
+        if m == i:
+            total = 0.0
+            for q in range(size):
+                if q != k:
+                    total += dp[i, new_b[q]]
+        else:
+            total = sums[m] - dp[m, j] + dp[m, i]
+        sums_b[k] = total
+        top_b = max(top_b, total)
+    old_max = 0.0
+    new_max = max(top_a, top_b)
+    for g in range(stages):
+        old_max = max(old_max, groups_dp[g])
+        if g != a and g != b:
+            new_max = max(new_max, groups_dp[g])
+    # edges of the current order touching a or b: (position of its left end)
+    lefts = np.empty(4, np.int64)
+    count = 0
+    for p in (rank[a] - 1, rank[a], rank[b] - 1, rank[b]):
+        if 0 <= p < stages - 1:
+            dup = False
+            for q in range(count):
+                if lefts[q] == p:
+                    dup = True
+            if not dup:
+                lefts[count] = p
+                count += 1
+    delta = new_max - old_max
+    for q in range(count):
+        p = lefts[q]
+        delta -= cache[order[p], order[p + 1]]
+    threshold = np.inf
+    if not delta_only:
+        threshold = -temperature * math.log(1.0 - np.random.random())
+    values = np.empty(4)
+    for q in range(count):
+        p = lefts[q]
+        g = order[p]
+        h = order[p + 1]
+        rows = new_a if g == a else (new_b if g == b else members[g])
+        cols = new_a if h == a else (new_b if h == b else members[h])
+        values[q] = bottleneck(pp, rows, cols)
+        delta += values[q]
+        if delta > threshold:
+            return delta
+    if delta_only or delta > threshold:
+        return delta
+    members[a] = new_a
+    members[b] = new_b
+    group_of[i] = b
+    group_of[j] = a
+    slot_i = slot_of[i]
+    slot_of[i] = slot_of[j]
+    slot_of[j] = slot_i
+    for k in range(size):
+        sums[new_a[k]] = sums_a[k]
+        sums[new_b[k]] = sums_b[k]
+    groups_dp[a] = top_a
+    groups_dp[b] = top_b
+    cache[a, :] = -1.0
+    cache[:, a] = -1.0
+    cache[b, :] = -1.0
+    cache[:, b] = -1.0
+    for q in range(count):
+        p = lefts[q]
+        cache[order[p], order[p + 1]] = values[q]
+        cache[order[p + 1], order[p]] = values[q]
+    state[0] += delta
+    return delta
+
+
+@njit(cache=True)
+def _reorder(pp, members, order, rank, cache, state, temperature):  # pragma: no cover
+    """One order proposal: reverse a stretch or move one group elsewhere; Metropolis."""
+    stages = order.shape[0]
+    threshold = -temperature * math.log(1.0 - np.random.random())
+    old = _path(pp, members, cache, order)
+    trial = order.copy()
+    if np.random.random() < 0.5:
+        lo = np.random.randint(0, stages)
+        hi = np.random.randint(0, stages)
+        if lo > hi:
+            lo, hi = hi, lo
+        if lo == hi:
+            return
+        trial[lo : hi + 1] = order[lo : hi + 1][::-1]
+    else:
+        src = np.random.randint(0, stages)
+        dst = np.random.randint(0, stages)
+        if src == dst:
+            return
+        moved = order[src]
+        k = 0
+        for p in range(stages):
+            if p != src:
+                if k == dst:
+                    k += 1
+                trial[k] = order[p]
+                k += 1
+        trial[dst] = moved
+    delta = _path(pp, members, cache, trial) - old
+    if delta <= threshold:
+        order[:] = trial
+        for p in range(stages):
+            rank[order[p]] = p
+        state[0] += delta
+
+
+@njit(cache=True)
+def _run(pp, dp, members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, best_members, best_order, steps, t_start, t_end, order_share):  # pragma: no cover
+    ratio = t_end / t_start
+    for step in range(steps):
+        temperature = t_start * ratio ** (step / steps)
+        if np.random.random() < order_share:
+            _reorder(pp, members, order, rank, cache, state, temperature)
+        else:
+            _swap(pp, dp, members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, temperature, False)
+        if state[0] < state[1] - 1e-12 * state[1]:
+            state[1] = state[0]
+            best_members[:, :] = members
+            best_order[:] = order
+
+
+@njit(cache=True)
+def _deltas(pp, dp, members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, count):  # pragma: no cover
+    out = np.empty(count)
+    for k in range(count):
+        out[k] = _swap(pp, dp, members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, 0.0, True)
+    return out
+
+
+class KernelState:
+    """A placement and a stage order with the arrays the compiled moves keep up to date.
+
+    Args:
+        pp_weights / dp_weights: the cost model's pipeline and all-reduce pair weights.
+        placement: groups of device indices (any order inside a group).
+        order: the initial stage order (a permutation of the group indices).
+    """
+
+    def __init__(
+        self,
+        pp_weights: np.ndarray,
+        dp_weights: np.ndarray,
+        placement: tuple[tuple[int, ...], ...],
+        order: tuple[int, ...],
+    ) -> None:
+        self.pp = np.ascontiguousarray(pp_weights, dtype=np.float64)
+        self.dp = np.ascontiguousarray(dp_weights, dtype=np.float64)
+        self.members = np.array(placement, dtype=np.int64)
+        stages, size = self.members.shape
+        n = stages * size
+        self.group_of = np.empty(n, np.int64)
+        self.slot_of = np.empty(n, np.int64)
+        for g in range(stages):
+            for k in range(size):
+                self.group_of[self.members[g, k]] = g
+                self.slot_of[self.members[g, k]] = k
+        self.order = np.array(order, dtype=np.int64)
+        self.rank = np.empty(stages, np.int64)
+        self.rank[self.order] = np.arange(stages)
+        self.sums = np.empty(n)
+        self.groups_dp = np.empty(stages)
+        for g in range(stages):
+            block = self.dp[np.ix_(self.members[g], self.members[g])]
+            self.sums[self.members[g]] = block.sum(axis=1)
+            self.groups_dp[g] = float(self.sums[self.members[g]].max())
+        self.cache = np.full((stages, stages), -1.0)
+        energy = float(self.groups_dp.max()) + _path(self.pp, self.members, self.cache, self.order)
+        self.state = np.array([energy, energy])  # current energy, best energy
+        self.best_members = self.members.copy()
+        self.best_order = self.order.copy()
+
+    @property
+    def energy(self) -> float:
+        return float(self.state[0])
+
+    @property
+    def best_energy(self) -> float:
+        return float(self.state[1])
+
+    def best_placement(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(sorted(int(d) for d in row)) for row in self.best_members)
+
+    def restart_from_best(self) -> None:
+        """Make the best placement and order seen the current state (energy recomputed exactly)."""
+        self.__init__(self.pp, self.dp, self.best_placement(), tuple(int(g) for g in self.best_order))  # type: ignore[misc]
+
+    def run(self, steps: int, t_start: float, t_end: float, order_share: float) -> None:
+        """``steps`` proposals cooling geometrically from ``t_start`` to ``t_end``."""
+        _run(
+            self.pp, self.dp, self.members, self.group_of, self.slot_of, self.order, self.rank, self.sums,
+            self.groups_dp, self.cache, self.state, self.best_members, self.best_order, steps,
+            t_start, t_end, order_share,
+        )  # fmt: skip
+
+    def swap_deltas(self, count: int) -> np.ndarray:
+        """Energy deltas of ``count`` random swaps, none applied (to calibrate a temperature)."""
+        return _deltas(
+            self.pp, self.dp, self.members, self.group_of, self.slot_of, self.order, self.rank, self.sums,
+            self.groups_dp, self.cache, self.state, count,
+        )  # fmt: skip
