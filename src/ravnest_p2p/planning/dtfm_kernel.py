@@ -145,7 +145,9 @@ def _path(pp, members, cache, order):  # pragma: no cover
 
 
 @njit(cache=True)
-def _swap(pp, dp, members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, temperature, delta_only):  # pragma: no cover
+def _swap(
+    pp, dp, members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, temperature, delta_only
+):  # pragma: no cover
     """One swap proposal; returns the energy delta (applied if accepted; ``delta_only`` never applies)."""
     n = group_of.shape[0]
     size = members.shape[1]
@@ -288,14 +290,46 @@ def _reorder(pp, members, order, rank, cache, state, temperature):  # pragma: no
 
 
 @njit(cache=True)
-def _run(pp, dp, members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, best_members, best_order, steps, t_start, t_end, order_share):  # pragma: no cover
+def _run(
+    pp,
+    dp,
+    members,
+    group_of,
+    slot_of,
+    order,
+    rank,
+    sums,
+    groups_dp,
+    cache,
+    state,
+    best_members,
+    best_order,
+    steps,
+    t_start,
+    t_end,
+    order_share,
+):  # pragma: no cover
     ratio = t_end / t_start
     for step in range(steps):
         temperature = t_start * ratio ** (step / steps)
         if np.random.random() < order_share:
             _reorder(pp, members, order, rank, cache, state, temperature)
         else:
-            _swap(pp, dp, members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, temperature, False)
+            _swap(
+                pp,
+                dp,
+                members,
+                group_of,
+                slot_of,
+                order,
+                rank,
+                sums,
+                groups_dp,
+                cache,
+                state,
+                temperature,
+                False,
+            )
         if state[0] < state[1] - 1e-12 * state[1]:
             state[1] = state[0]
             best_members[:, :] = members
@@ -303,10 +337,14 @@ def _run(pp, dp, members, group_of, slot_of, order, rank, sums, groups_dp, cache
 
 
 @njit(cache=True)
-def _deltas(pp, dp, members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, count):  # pragma: no cover
+def _deltas(
+    pp, dp, members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, count
+):  # pragma: no cover
     out = np.empty(count)
     for k in range(count):
-        out[k] = _swap(pp, dp, members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, 0.0, True)
+        out[k] = _swap(
+            pp, dp, members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, 0.0, True
+        )
     return out
 
 

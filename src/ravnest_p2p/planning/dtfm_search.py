@@ -103,6 +103,7 @@ proposals rejected with a few matchings). A compiled matching would be the next 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -135,6 +136,7 @@ _WIDE_REPLICAS = 16
 _NOISY_REHEAT = 0.02
 _NOISY_FIRST_SHARE = 0.8
 _NOISY_LATER_SHARE = 0.04
+_ORDER_SHARE = 0.1  # compiled annealer: share of proposals that change the stage order
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,8 @@ class SearchConfig:
         reheat: later cycles' start, as that fraction (None: 0.3 with twins, 0.02 on noisy networks).
         target_cost: also stop once a placement costs at most this (e.g. a known optimum or a
             benchmark's best-known value: the time to reach it is then ``best_found_cpu_s``).
+        compiled: on noisy networks under the CPU-time schedule, search with the compiled annealer
+            over placements and stage orders (`dtfm_kernel`); off = the Python annealer.
     """
 
     cpu_budget_s: float = 60.0
@@ -175,6 +179,7 @@ class SearchConfig:
     start_temperature: float | None = None
     reheat: float | None = None
     target_cost: float | None = None
+    compiled: bool = True
 
 
 @dataclass(frozen=True)
@@ -281,6 +286,10 @@ def _anneal_search(
     # The noisy schedule is tuned for CPU budgets of tens of seconds; the by-proposals schedule (tests,
     # reproducible runs) keeps the classic temperatures.
     noisy = not soft and config.anneal_moves == 0
+    if noisy and config.compiled:
+        return _compiled_search(
+            model, config, rng, state.placement(), out_of_time, note, clock, started, curve
+        )
     wide = model.workload.num_replicas >= _WIDE_REPLICAS
     hot = config.start_temperature or ((_NOISY_START_WIDE if wide else _NOISY_START) if noisy else 1.0)
     reheat = config.reheat or (_NOISY_REHEAT if noisy else _REHEAT)
@@ -382,3 +391,71 @@ def _schedule(
         return latest[0]
 
     return by_time
+
+
+def _compiled_search(
+    model: CostModel,
+    config: SearchConfig,
+    rng: np.random.Generator,
+    start: Placement,
+    out_of_time: Callable[[], bool],
+    note: Callable[[tuple[float, float]], None],
+    clock: Callable[[], float],
+    started: float,
+    curve: list[tuple[float, float]],
+) -> SearchResult:
+    """Noisy networks: the compiled annealer (`dtfm_kernel`) under the noisy schedule of `_schedule`.
+
+    The first cycle cools from ``hot`` x the calibrated temperature to 1/1000 of it over 80% of the
+    budget; later cycles restart from the best placement and order at ``reheat`` x it, 4% of the
+    budget each. The kernel runs in chunks of ~20 ms between clock reads.
+    """
+    from ravnest_p2p.planning import dtfm_kernel  # numba: imported (and compiled, once) only when used
+
+    dtfm_kernel.seed(int(rng.integers(2**31)))
+    state = dtfm_kernel.KernelState(model.pp_weights, model.dp_weights, start, model.pp_cost(start)[1])
+    initial_best = model.cost(start)
+    uphill = state.swap_deltas(500)
+    uphill = uphill[uphill > 0]
+    temperature = float(np.median(uphill)) / math.log(2.0) if len(uphill) else 1e-3 * max(initial_best, 1e-9)
+    wide = model.workload.num_replicas >= _WIDE_REPLICAS
+    hot = config.start_temperature or (_NOISY_START_WIDE if wide else _NOISY_START)
+    reheat = config.reheat or _NOISY_REHEAT
+    state.run(1, temperature, temperature, _ORDER_SHARE)  # compiles on a fresh install: not a chunk's pace
+    chunk, proposals, cycles = 1_000, 1, 0
+    while cycles < config.max_generations and not out_of_time():
+        begin = clock() - started
+        left = config.cpu_budget_s - begin
+        span = max(
+            left * _NOISY_FIRST_SHARE if cycles == 0 else min(left, config.cpu_budget_s * _NOISY_LATER_SHARE),
+            1e-6,
+        )
+        first = temperature * (hot if cycles == 0 else reheat)
+        last = temperature * _COOL_TO
+        if cycles > 0:
+            state.restart_from_best()
+        done = pace = 0.0
+        while done < 1.0 and not out_of_time():
+            tick = clock()
+            ahead = min(1.0, done + pace)  # where this chunk should end, at the last chunk's pace
+            state.run(chunk, first * (last / first) ** done, first * (last / first) ** ahead, _ORDER_SHARE)
+            proposals += chunk
+            spent = clock() - tick
+            chunk = int(min(max(chunk * 0.02 / max(spent, 1e-4), 100), 200_000))
+            pace = spent / span
+            done = (clock() - started - begin) / span
+            note((state.best_energy, 0.0))
+        cycles += 1
+    best = state.best_placement()
+    length, order = model.pp_cost(best)
+    return SearchResult(
+        placement=best,
+        cost=model.dp_cost(best) + length,
+        stage_order=order,
+        generations=cycles,
+        evaluations=proposals,
+        cpu_s=clock() - started,
+        initial_best_cost=initial_best,
+        best_found_cpu_s=curve[-1][0] if curve else 0.0,
+        curve=tuple(curve),
+    )
