@@ -51,7 +51,7 @@ def seed(value: int) -> None:
 
 
 @njit(cache=True)
-def bottleneck(weights: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> float:  # pragma: no cover
+def bottleneck(weights: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> float:
     """Bottleneck perfect matching of ``weights[rows][:, cols]`` (square): its largest matched weight."""
     size = rows.shape[0]
     sub = np.empty((size, size))
@@ -128,7 +128,7 @@ def bottleneck(weights: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> float
 
 
 @njit(cache=True)
-def _edge(pp, members, cache, g, h):  # pragma: no cover
+def _edge(pp: np.ndarray, members: np.ndarray, cache: np.ndarray, g: int, h: int) -> float:
     if cache[g, h] < 0.0:
         value = bottleneck(pp, members[g], members[h])
         cache[g, h] = value
@@ -137,7 +137,7 @@ def _edge(pp, members, cache, g, h):  # pragma: no cover
 
 
 @njit(cache=True)
-def _path(pp, members, cache, order):  # pragma: no cover
+def _path(pp: np.ndarray, members: np.ndarray, cache: np.ndarray, order: np.ndarray) -> float:
     total = 0.0
     for i in range(order.shape[0] - 1):
         total += _edge(pp, members, cache, order[i], order[i + 1])
@@ -146,8 +146,20 @@ def _path(pp, members, cache, order):  # pragma: no cover
 
 @njit(cache=True)
 def _swap(
-    pp, dp, members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, temperature, delta_only
-):  # pragma: no cover
+    pp: np.ndarray,
+    dp: np.ndarray,
+    members: np.ndarray,
+    group_of: np.ndarray,
+    slot_of: np.ndarray,
+    order: np.ndarray,
+    rank: np.ndarray,
+    sums: np.ndarray,
+    groups_dp: np.ndarray,
+    cache: np.ndarray,
+    state: np.ndarray,
+    temperature: float,
+    delta_only: bool,
+) -> float:
     """One swap proposal; returns the energy delta (applied if accepted; ``delta_only`` never applies)."""
     n = group_of.shape[0]
     size = members.shape[1]
@@ -253,7 +265,15 @@ def _swap(
 
 
 @njit(cache=True)
-def _reorder(pp, members, order, rank, cache, state, temperature):  # pragma: no cover
+def _reorder(
+    pp: np.ndarray,
+    members: np.ndarray,
+    order: np.ndarray,
+    rank: np.ndarray,
+    cache: np.ndarray,
+    state: np.ndarray,
+    temperature: float,
+) -> None:
     """One order proposal: reverse a stretch or move one group elsewhere; Metropolis."""
     stages = order.shape[0]
     threshold = -temperature * math.log(1.0 - np.random.random())
@@ -291,24 +311,24 @@ def _reorder(pp, members, order, rank, cache, state, temperature):  # pragma: no
 
 @njit(cache=True)
 def _run(
-    pp,
-    dp,
-    members,
-    group_of,
-    slot_of,
-    order,
-    rank,
-    sums,
-    groups_dp,
-    cache,
-    state,
-    best_members,
-    best_order,
-    steps,
-    t_start,
-    t_end,
-    order_share,
-):  # pragma: no cover
+    pp: np.ndarray,
+    dp: np.ndarray,
+    members: np.ndarray,
+    group_of: np.ndarray,
+    slot_of: np.ndarray,
+    order: np.ndarray,
+    rank: np.ndarray,
+    sums: np.ndarray,
+    groups_dp: np.ndarray,
+    cache: np.ndarray,
+    state: np.ndarray,
+    best_members: np.ndarray,
+    best_order: np.ndarray,
+    steps: int,
+    t_start: float,
+    t_end: float,
+    order_share: float,
+) -> None:
     ratio = t_end / t_start
     for step in range(steps):
         temperature = t_start * ratio ** (step / steps)
@@ -338,8 +358,19 @@ def _run(
 
 @njit(cache=True)
 def _deltas(
-    pp, dp, members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, count
-):  # pragma: no cover
+    pp: np.ndarray,
+    dp: np.ndarray,
+    members: np.ndarray,
+    group_of: np.ndarray,
+    slot_of: np.ndarray,
+    order: np.ndarray,
+    rank: np.ndarray,
+    sums: np.ndarray,
+    groups_dp: np.ndarray,
+    cache: np.ndarray,
+    state: np.ndarray,
+    count: int,
+) -> np.ndarray:
     out = np.empty(count)
     for k in range(count):
         out[k] = _swap(

@@ -1,0 +1,124 @@
+"""The compiled annealer over placements and stage orders (`dtfm_kernel`) and its use by the search."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from ravnest_p2p.planning import CostModel, SearchConfig, Workload, hybrid_search, random_placement
+from ravnest_p2p.planning.dtfm import bottleneck_matching
+from ravnest_p2p.planning.dtfm_kernel import KernelState, bottleneck, seed
+
+
+def _noisy_model(seed_: int, stages: int, replicas: int) -> CostModel:
+    rng = np.random.default_rng(seed_)
+    n = stages * replicas
+    site = rng.integers(0, 3, n)
+    latency = np.where(site[:, None] == site[None, :], 0.002, 0.05) * rng.lognormal(0, 0.2, (n, n))
+    bandwidth = np.where(site[:, None] == site[None, :], 1e9, 1e8) * rng.lognormal(0, 0.3, (n, n))
+    latency, bandwidth = (latency + latency.T) / 2, (bandwidth + bandwidth.T) / 2
+    np.fill_diagonal(latency, 0.0)
+    return CostModel(latency, bandwidth, Workload(stages, replicas, c_dp_bytes=5e8, c_pp_bytes=1e8))
+
+
+def _energy_along(model: CostModel, members: np.ndarray, order: np.ndarray) -> float:
+    placement = tuple(tuple(sorted(int(d) for d in row)) for row in members)
+    path = sum(model.edge_cost(placement[a], placement[b]) for a, b in itertools.pairwise(order.tolist()))
+    return model.dp_cost(placement) + path
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 13, 16])
+def test_bottleneck_equals_the_reference_matching_with_and_without_ties(size: int) -> None:
+    rng = np.random.default_rng(size)
+    for trial in range(150):
+        weights = rng.random((2 * size, 2 * size))
+        if trial % 3 == 0:
+            weights = np.round(weights * 4) / 4  # many ties
+        rows = rng.permutation(2 * size)[:size].astype(np.int64)
+        cols = rng.permutation(2 * size)[:size].astype(np.int64)
+        assert bottleneck(weights, rows, cols) == bottleneck_matching(weights[np.ix_(rows, cols)])[0]
+
+
+@pytest.mark.parametrize(("stages", "replicas"), [(4, 3), (6, 2), (5, 4), (3, 8)])
+def test_kernel_energy_is_the_cost_along_its_order_after_many_moves(stages: int, replicas: int) -> None:
+    model = _noisy_model(stages * 10 + replicas, stages, replicas)
+    rng = np.random.default_rng(0)
+    start = random_placement(model.workload, rng)
+    state = KernelState(model.pp_weights, model.dp_weights, start, tuple(range(stages)))
+    assert state.energy == pytest.approx(_energy_along(model, state.members, state.order), rel=1e-12)
+    seed(3)
+    for temperature in (1.0, 0.1, 1e-3):  # hot: most moves accepted; cold: most refused
+        state.run(400, temperature, temperature, 0.2)
+        assert sorted(state.members.ravel().tolist()) == list(range(stages * replicas))
+        assert sorted(state.order.tolist()) == list(range(stages))
+        assert state.energy == pytest.approx(_energy_along(model, state.members, state.order), rel=1e-9)
+        assert state.best_energy <= state.energy + 1e-12
+        assert state.best_energy == pytest.approx(
+            _energy_along(model, state.best_members, state.best_order), rel=1e-9
+        )
+    # the energy bounds the exact cost (optimal stage order) from above
+    assert model.cost(state.best_placement()) <= state.best_energy + 1e-9
+
+
+def test_swap_deltas_change_nothing() -> None:
+    model = _noisy_model(1, 4, 4)
+    state = KernelState(
+        model.pp_weights,
+        model.dp_weights,
+        random_placement(model.workload, np.random.default_rng(1)),
+        (0, 1, 2, 3),
+    )
+    before = (state.members.copy(), state.order.copy(), state.energy)
+    deltas = state.swap_deltas(200)
+    assert (deltas > 0).any() and (deltas < 0).any()
+    assert (
+        (state.members == before[0]).all() and (state.order == before[1]).all() and state.energy == before[2]
+    )
+
+
+def test_same_seed_same_moves_same_result() -> None:
+    model = _noisy_model(2, 5, 3)
+    start = random_placement(model.workload, np.random.default_rng(2))
+    outcomes = []
+    for _ in range(2):
+        state = KernelState(model.pp_weights, model.dp_weights, start, tuple(range(5)))
+        seed(11)
+        state.run(2_000, 1.0, 1e-3, 0.1)
+        outcomes.append((state.best_placement(), state.best_energy))
+    assert outcomes[0] == outcomes[1]
+
+
+class _Ticks:
+    """A CPU clock that advances a fixed step per reading: the time-sliced search becomes reproducible."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_compiled_search_improves_on_its_start_and_reports_the_exact_cost() -> None:
+    model = _noisy_model(4, 6, 4)
+    config = SearchConfig(cpu_budget_s=2.0, seed=5)
+    result = hybrid_search(model, config, clock=_Ticks(0.02))
+    model.check(result.placement)
+    assert result.cost == pytest.approx(model.cost(result.placement), rel=1e-12)
+    assert result.cost < result.initial_best_cost
+    assert result.evaluations > 1_000 and result.generations >= 2  # the first cycle, then restarts
+    costs = [c for _, c in result.curve]
+    assert all(b < a for a, b in itertools.pairwise(costs))
+    assert result.cost <= costs[-1] + 1e-9  # the curve holds upper bounds along the annealed order
+    again = hybrid_search(model, config, clock=_Ticks(0.02))
+    assert again.placement == result.placement
+
+
+def test_compiled_search_is_at_least_as_good_as_the_python_annealer_here() -> None:
+    model = _noisy_model(6, 8, 4)
+    compiled = hybrid_search(model, SearchConfig(cpu_budget_s=2.0, seed=1), clock=_Ticks(0.02))
+    python = hybrid_search(model, SearchConfig(cpu_budget_s=2.0, seed=1, compiled=False), clock=_Ticks(0.02))
+    assert compiled.evaluations > python.evaluations
+    assert compiled.cost <= python.cost * 1.001
