@@ -55,22 +55,40 @@ def bottleneck(weights: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> float
     """Bottleneck perfect matching of ``weights[rows][:, cols]`` (square): its largest matched weight."""
     size = rows.shape[0]
     sub = np.empty((size, size))
-    for r in range(size):
-        for c in range(size):
-            sub[r, c] = weights[rows[r], cols[c]]
+    return _complete(sub, _fill(weights, rows, cols, sub), np.empty(4 * size, np.int64))
+
+
+@njit(cache=True)
+def _fill(weights: np.ndarray, rows: np.ndarray, cols: np.ndarray, sub: np.ndarray) -> float:
+    """Copy ``weights[rows][:, cols]`` into ``sub``; return the largest row or column minimum (every row and
+    column must be matched, so the bottleneck is at least that)."""
+    size = rows.shape[0]
     level = 0.0
     for r in range(size):
-        low = sub[r, 0]
-        for c in range(1, size):
-            low = min(low, sub[r, c])
+        low = np.inf
+        for c in range(size):
+            value = weights[rows[r], cols[c]]
+            sub[r, c] = value
+            low = min(low, value)
         level = max(level, low)
     for c in range(size):
         low = sub[0, c]
         for r in range(1, size):
             low = min(low, sub[r, c])
         level = max(level, low)
-    col_of_row = np.full(size, -1, np.int64)
-    row_of_col = np.full(size, -1, np.int64)
+    return level
+
+
+@njit(cache=True)
+def _complete(sub: np.ndarray, level: float, work: np.ndarray) -> float:
+    """The bottleneck of ``sub`` from a lower bound ``level``; ``work`` is int64 scratch of 4 x size."""
+    size = sub.shape[0]
+    col_of_row = work[:size]
+    row_of_col = work[size : 2 * size]
+    via = work[2 * size : 3 * size]
+    queue = work[3 * size : 4 * size]
+    col_of_row[:] = -1
+    row_of_col[:] = -1
     matched = 0
     for r in range(size):  # greedy start at the lower bound
         for c in range(size):
@@ -79,17 +97,14 @@ def bottleneck(weights: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> float
                 col_of_row[r] = c
                 matched += 1
                 break
-    via = np.empty(size, np.int64)
-    queue = np.empty(size, np.int64)
-    reached = np.empty(size, np.bool_)
     while matched < size:
+        # breadth-first alternating search from every free row at once; a row is reached when it is
+        # free or matched to a reached column, so "reached" = free or row_of_col[via-reached column]
         via[:] = -1
-        reached[:] = False
         tail = 0
         for r in range(size):
             if col_of_row[r] < 0:
                 queue[tail] = r
-                reached[r] = True
                 tail += 1
         head = 0
         found = -1
@@ -103,10 +118,8 @@ def bottleneck(weights: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> float
                     if nxt < 0:
                         found = c
                         break
-                    if not reached[nxt]:
-                        reached[nxt] = True
-                        queue[tail] = nxt
-                        tail += 1
+                    queue[tail] = nxt  # matched rows are reached once: through their own column
+                    tail += 1
         if found >= 0:
             c = found
             while c >= 0:
@@ -116,13 +129,13 @@ def bottleneck(weights: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> float
                 row_of_col[c] = r
                 c = previous
             matched += 1
-        else:
+        else:  # the least entry that extends the forest: from a reached row to an unreached column
             rise = np.inf
-            for r in range(size):
-                if reached[r]:
-                    for c in range(size):
-                        if via[c] < 0 and sub[r, c] < rise:
-                            rise = sub[r, c]
+            for q in range(tail):
+                r = queue[q]
+                for c in range(size):
+                    if via[c] < 0 and sub[r, c] < rise:
+                        rise = sub[r, c]
             level = rise
     return level
 
@@ -159,6 +172,8 @@ def _swap(
     state: np.ndarray,
     temperature: float,
     delta_only: bool,
+    subs: np.ndarray,
+    work: np.ndarray,
 ) -> float:
     """One swap proposal; returns the energy delta (applied if accepted; ``delta_only`` never applies)."""
     n = group_of.shape[0]
@@ -227,15 +242,22 @@ def _swap(
     threshold = np.inf
     if not delta_only:
         threshold = -temperature * math.log(1.0 - np.random.random())
-    values = np.empty(4)
+    # every changed edge at its lower bound first: most cool proposals end here, before any matching
+    lows = np.empty(4)
     for q in range(count):
         p = lefts[q]
         g = order[p]
         h = order[p + 1]
         rows = new_a if g == a else (new_b if g == b else members[g])
         cols = new_a if h == a else (new_b if h == b else members[h])
-        values[q] = bottleneck(pp, rows, cols)
-        delta += values[q]
+        lows[q] = _fill(pp, rows, cols, subs[q])
+        delta += lows[q]
+    if delta > threshold:
+        return delta
+    values = np.empty(4)
+    for q in range(count):
+        values[q] = _complete(subs[q], lows[q], work)
+        delta += values[q] - lows[q]
         if delta > threshold:
             return delta
     if delta_only or delta > threshold:
@@ -328,6 +350,8 @@ def _run(
     t_start: float,
     t_end: float,
     order_share: float,
+    subs: np.ndarray,
+    work: np.ndarray,
 ) -> None:
     ratio = t_end / t_start
     for step in range(steps):
@@ -349,6 +373,8 @@ def _run(
                 state,
                 temperature,
                 False,
+                subs,
+                work,
             )
         if state[0] < state[1] - 1e-12 * state[1]:
             state[1] = state[0]
@@ -370,11 +396,27 @@ def _deltas(
     cache: np.ndarray,
     state: np.ndarray,
     count: int,
+    subs: np.ndarray,
+    work: np.ndarray,
 ) -> np.ndarray:
     out = np.empty(count)
     for k in range(count):
         out[k] = _swap(
-            pp, dp, members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, 0.0, True
+            pp,
+            dp,
+            members,
+            group_of,
+            slot_of,
+            order,
+            rank,
+            sums,
+            groups_dp,
+            cache,
+            state,
+            0.0,
+            True,
+            subs,
+            work,
         )
     return out
 
@@ -420,6 +462,8 @@ class KernelState:
         self.state = np.array([energy, energy])  # current energy, best energy
         self.best_members = self.members.copy()
         self.best_order = self.order.copy()
+        self.subs = np.empty((4, size, size))  # scratch: the <= 4 changed edges' weight blocks
+        self.work = np.empty(4 * size, np.int64)  # scratch of the matching
 
     @property
     def energy(self) -> float:
@@ -441,12 +485,12 @@ class KernelState:
         _run(
             self.pp, self.dp, self.members, self.group_of, self.slot_of, self.order, self.rank, self.sums,
             self.groups_dp, self.cache, self.state, self.best_members, self.best_order, steps,
-            t_start, t_end, order_share,
+            t_start, t_end, order_share, self.subs, self.work,
         )  # fmt: skip
 
     def swap_deltas(self, count: int) -> np.ndarray:
         """Energy deltas of ``count`` random swaps, none applied (to calibrate a temperature)."""
         return _deltas(
             self.pp, self.dp, self.members, self.group_of, self.slot_of, self.order, self.rank, self.sums,
-            self.groups_dp, self.cache, self.state, count,
+            self.groups_dp, self.cache, self.state, count, self.subs, self.work,
         )  # fmt: skip
