@@ -235,7 +235,9 @@ def _swap(
             if not dup:
                 lefts[count] = p
                 count += 1
-    delta = new_max - old_max
+    # the energy: the cost plus state[2] x the mean group all-reduce cost (a slope on the max's plateau)
+    bias = state[2] * (top_a + top_b - groups_dp[a] - groups_dp[b]) / stages
+    delta = new_max - old_max + bias
     for q in range(count):
         p = lefts[q]
         delta -= cache[order[p], order[p + 1]]
@@ -282,7 +284,7 @@ def _swap(
         p = lefts[q]
         cache[order[p], order[p + 1]] = values[q]
         cache[order[p + 1], order[p]] = values[q]
-    state[0] += delta
+    state[0] += delta - bias
     return delta
 
 
@@ -436,9 +438,15 @@ class KernelState:
         dp_weights: np.ndarray,
         placement: tuple[tuple[int, ...], ...],
         order: tuple[int, ...],
+        dp_slope: float = 0.0,
     ) -> None:
         self.pp = np.ascontiguousarray(pp_weights, dtype=np.float64)
         self.dp = np.ascontiguousarray(dp_weights, dtype=np.float64)
+        self.dp_slope = dp_slope
+        self.load(placement, order)
+
+    def load(self, placement: tuple[tuple[int, ...], ...], order: tuple[int, ...]) -> None:
+        """Make ``placement`` with stage ``order`` the current and the best state."""
         self.members = np.array(placement, dtype=np.int64)
         stages, size = self.members.shape
         n = stages * size
@@ -458,19 +466,19 @@ class KernelState:
             self.sums[self.members[g]] = block.sum(axis=1)
             self.groups_dp[g] = float(self.sums[self.members[g]].max())
         self.cache = np.full((stages, stages), -1.0)
-        energy = float(self.groups_dp.max()) + _path(self.pp, self.members, self.cache, self.order)
-        self.state = np.array([energy, energy])  # current energy, best energy
+        cost = float(self.groups_dp.max()) + _path(self.pp, self.members, self.cache, self.order)
+        self.state = np.array([cost, cost, self.dp_slope])  # cost along the order, its best, the slope
         self.best_members = self.members.copy()
         self.best_order = self.order.copy()
         self.subs = np.empty((4, size, size))  # scratch: the <= 4 changed edges' weight blocks
         self.work = np.empty(4 * size, np.int64)  # scratch of the matching
 
     @property
-    def energy(self) -> float:
+    def cost(self) -> float:
         return float(self.state[0])
 
     @property
-    def best_energy(self) -> float:
+    def best_cost(self) -> float:
         return float(self.state[1])
 
     def best_placement(self) -> tuple[tuple[int, ...], ...]:
@@ -478,7 +486,7 @@ class KernelState:
 
     def restart_from_best(self) -> None:
         """Make the best placement and order seen the current state (energy recomputed exactly)."""
-        self.__init__(self.pp, self.dp, self.best_placement(), tuple(int(g) for g in self.best_order))  # type: ignore[misc]
+        self.load(self.best_placement(), tuple(int(g) for g in self.best_order))
 
     def run(self, steps: int, t_start: float, t_end: float, order_share: float) -> None:
         """``steps`` proposals cooling geometrically from ``t_start`` to ``t_end``."""

@@ -21,6 +21,12 @@ at 1.10x from 0.9 CPU s to the end of the minute in one 45 s first cycle; cycles
 budget with random restarts fixed it but lost `datacenter_on_demand` seed 0, so the first cycle is the
 same as before until it stalls). The final answer is re-scored with the exact model.
 
+Noisy networks (no twins) under the CPU-time schedule (the default) are searched by the compiled
+annealer of `dtfm_kernel` (session 13): the same Metropolis search, but over the placement *and* a
+stage order together (swaps scored along the current order, 10% of the proposals reverse or move
+groups of the order), at 1-2 us per proposal instead of the Python annealer's 160-190 us (below);
+``SearchConfig(compiled=False)`` keeps the Python one. Results in `docs/planning-placement.md`.
+
 Noisy networks (no twins) with the CPU-time schedule get a schedule of their own: the old curves (8x8,
 60 s) spent the first third of the hot cycle at temperatures where the best-so-far did not move (a
 random walk) and the last quarter frozen, and every reheat at 0.3x restarted from scratch without
@@ -137,6 +143,9 @@ _NOISY_REHEAT = 0.02
 _NOISY_FIRST_SHARE = 0.8
 _NOISY_LATER_SHARE = 0.04
 _ORDER_SHARE = 0.1  # compiled annealer: share of proposals that change the stage order
+# Compiled annealer: its energy adds this x the mean group all-reduce cost to the cost (the best is
+# still tracked by cost). Session 13, 16x8, 60 s: see `docs/planning-placement.md`.
+_KERNEL_DP_SLOPE = 1.0
 
 
 @dataclass(frozen=True)
@@ -413,7 +422,9 @@ def _compiled_search(
     from ravnest_p2p.planning import dtfm_kernel  # numba: imported (and compiled, once) only when used
 
     dtfm_kernel.seed(int(rng.integers(2**31)))
-    state = dtfm_kernel.KernelState(model.pp_weights, model.dp_weights, start, model.pp_cost(start)[1])
+    state = dtfm_kernel.KernelState(
+        model.pp_weights, model.dp_weights, start, model.pp_cost(start)[1], _KERNEL_DP_SLOPE
+    )
     initial_best = model.cost(start)
     uphill = state.swap_deltas(500)
     uphill = uphill[uphill > 0]
@@ -444,7 +455,7 @@ def _compiled_search(
             chunk = int(min(max(chunk * 0.02 / max(spent, 1e-4), 100), 200_000))
             pace = spent / span
             done = (clock() - started - begin) / span
-            note((state.best_energy, 0.0))
+            note((state.best_cost, 0.0))
         cycles += 1
     best = state.best_placement()
     length, order = model.pp_cost(best)

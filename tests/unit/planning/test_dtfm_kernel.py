@@ -23,7 +23,7 @@ def _noisy_model(seed_: int, stages: int, replicas: int) -> CostModel:
     return CostModel(latency, bandwidth, Workload(stages, replicas, c_dp_bytes=5e8, c_pp_bytes=1e8))
 
 
-def _energy_along(model: CostModel, members: np.ndarray, order: np.ndarray) -> float:
+def _cost_along(model: CostModel, members: np.ndarray, order: np.ndarray) -> float:
     placement = tuple(tuple(sorted(int(d) for d in row)) for row in members)
     path = sum(model.edge_cost(placement[a], placement[b]) for a, b in itertools.pairwise(order.tolist()))
     return model.dp_cost(placement) + path
@@ -41,25 +41,30 @@ def test_bottleneck_equals_the_reference_matching_with_and_without_ties(size: in
         assert bottleneck(weights, rows, cols) == bottleneck_matching(weights[np.ix_(rows, cols)])[0]
 
 
-@pytest.mark.parametrize(("stages", "replicas"), [(4, 3), (6, 2), (5, 4), (3, 8)])
-def test_kernel_energy_is_the_cost_along_its_order_after_many_moves(stages: int, replicas: int) -> None:
+@pytest.mark.parametrize(
+    ("stages", "replicas", "slope"), [(4, 3, 0.0), (6, 2, 1.0), (5, 4, 0.0), (3, 8, 1.0)]
+)
+def test_kernel_cost_is_the_cost_along_its_order_after_many_moves(
+    stages: int, replicas: int, slope: float
+) -> None:
+    """The slope on the mean all-reduce cost steers acceptance only: the tracked costs stay true."""
     model = _noisy_model(stages * 10 + replicas, stages, replicas)
     rng = np.random.default_rng(0)
     start = random_placement(model.workload, rng)
-    state = KernelState(model.pp_weights, model.dp_weights, start, tuple(range(stages)))
-    assert state.energy == pytest.approx(_energy_along(model, state.members, state.order), rel=1e-12)
+    state = KernelState(model.pp_weights, model.dp_weights, start, tuple(range(stages)), dp_slope=slope)
+    assert state.cost == pytest.approx(_cost_along(model, state.members, state.order), rel=1e-12)
     seed(3)
     for temperature in (1.0, 0.1, 1e-3):  # hot: most moves accepted; cold: most refused
         state.run(400, temperature, temperature, 0.2)
         assert sorted(state.members.ravel().tolist()) == list(range(stages * replicas))
         assert sorted(state.order.tolist()) == list(range(stages))
-        assert state.energy == pytest.approx(_energy_along(model, state.members, state.order), rel=1e-9)
-        assert state.best_energy <= state.energy + 1e-12
-        assert state.best_energy == pytest.approx(
-            _energy_along(model, state.best_members, state.best_order), rel=1e-9
+        assert state.cost == pytest.approx(_cost_along(model, state.members, state.order), rel=1e-9)
+        assert state.best_cost <= state.cost + 1e-12
+        assert state.best_cost == pytest.approx(
+            _cost_along(model, state.best_members, state.best_order), rel=1e-9
         )
-    # the energy bounds the exact cost (optimal stage order) from above
-    assert model.cost(state.best_placement()) <= state.best_energy + 1e-9
+    # the cost along an order bounds the exact cost (optimal stage order) from above
+    assert model.cost(state.best_placement()) <= state.best_cost + 1e-9
 
 
 def test_swap_deltas_change_nothing() -> None:
@@ -70,12 +75,13 @@ def test_swap_deltas_change_nothing() -> None:
         random_placement(model.workload, np.random.default_rng(1)),
         (0, 1, 2, 3),
     )
-    before = (state.members.copy(), state.order.copy(), state.energy)
+    before = (state.members.copy(), state.order.copy(), state.cost)
     deltas = state.swap_deltas(200)
-    assert (deltas > 0).any() and (deltas < 0).any()
-    assert (
-        (state.members == before[0]).all() and (state.order == before[1]).all() and state.energy == before[2]
-    )
+    assert (deltas > 0).any()
+    assert (deltas < 0).any()
+    assert (state.members == before[0]).all()
+    assert (state.order == before[1]).all()
+    assert state.cost == before[2]
 
 
 def test_same_seed_same_moves_same_result() -> None:
@@ -86,7 +92,7 @@ def test_same_seed_same_moves_same_result() -> None:
         state = KernelState(model.pp_weights, model.dp_weights, start, tuple(range(5)))
         seed(11)
         state.run(2_000, 1.0, 1e-3, 0.1)
-        outcomes.append((state.best_placement(), state.best_energy))
+        outcomes.append((state.best_placement(), state.best_cost))
     assert outcomes[0] == outcomes[1]
 
 
@@ -108,7 +114,8 @@ def test_compiled_search_improves_on_its_start_and_reports_the_exact_cost() -> N
     model.check(result.placement)
     assert result.cost == pytest.approx(model.cost(result.placement), rel=1e-12)
     assert result.cost < result.initial_best_cost
-    assert result.evaluations > 1_000 and result.generations >= 2  # the first cycle, then restarts
+    assert result.evaluations > 1_000
+    assert result.generations >= 2
     costs = [c for _, c in result.curve]
     assert all(b < a for a, b in itertools.pairwise(costs))
     assert result.cost <= costs[-1] + 1e-9  # the curve holds upper bounds along the annealed order
