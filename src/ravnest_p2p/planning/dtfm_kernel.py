@@ -6,19 +6,25 @@ proposals, and which basin a 60 s run ends in varied by 3-14% between runs of th
 12). This module runs the same kind of search compiled (numba), at ~1-3 us per proposal.
 
 State. The partition (``members[g]``: the devices of stage group ``g``) *and* a stage order
-(``order``: a permutation of the groups). The energy is the DT-FM cost of the placement *along that
-order*: ``max_g DP(g) + sum_i edge(order[i], order[i + 1])`` with the same arithmetic as
+(``order``: a permutation of the groups). The tracked cost is the DT-FM cost of the placement *along
+that order*: ``max_g DP(g) + sum_i edge(order[i], order[i + 1])`` with the same arithmetic as
 `dtfm.CostModel` (``DP`` from the per-device row sums of the all-reduce weights inside the group,
 ``edge`` the bottleneck perfect matching of the pipeline weights). That is an upper bound of the true
 cost (whose path is the optimal open-loop TSP over the groups); the two meet when the order is
 optimal, and order moves keep it near-optimal, so the search optimises both together instead of
-solving a TSP per proposal. The caller re-scores the result exactly.
+solving a TSP per proposal. The caller re-scores the result exactly. The energy that decides
+acceptance adds ``dp_slope x`` the mean group all-reduce cost: the max over groups is a plateau for
+every group but the slowest, and the good layouts of the hard cases (`benchmarks/placement_cases.py`)
+fill some groups from one large city (cheap all-reduce) and run the other groups' replicas as lanes
+inside cities (cheap pipeline edges), which a pure max does not lead to (numbers in
+`docs/planning-placement.md`). The best state is tracked by cost, not energy.
 
 Moves (Metropolis at the caller's temperature):
 
 * **swap** two devices of different groups: new row sums of the two groups (``O(D_DP)`` each), their
   all-reduce costs, and the <= 4 edges of the current order that touch them (bottleneck matchings);
-  rejected as soon as the edges solved so far already put the energy above the acceptance threshold.
+  every changed edge first at its lower bound (most cool proposals are rejected there, before any
+  matching), then solved one by one, rejected as soon as the energy passes the acceptance threshold.
 * **reverse** a stretch of the order (2-opt on an open path: <= 2 edges change);
 * **relocate** one group to another position (Or-opt of one: <= 3 edges change).
 

@@ -146,6 +146,7 @@ _ORDER_SHARE = 0.1  # compiled annealer: share of proposals that change the stag
 # Compiled annealer: its energy adds this x the mean group all-reduce cost to the cost (the best is
 # still tracked by cost). Session 13, 16x8, 60 s: see `docs/planning-placement.md`.
 _KERNEL_DP_SLOPE = 1.0
+_RACERS = 4  # compiled annealers racing in `_compiled_search` (a power of two)
 
 
 @dataclass(frozen=True)
@@ -413,50 +414,70 @@ def _compiled_search(
     started: float,
     curve: list[tuple[float, float]],
 ) -> SearchResult:
-    """Noisy networks: the compiled annealer (`dtfm_kernel`) under the noisy schedule of `_schedule`.
+    """Noisy networks: a race of compiled annealers (`dtfm_kernel`), halved as they cool.
 
-    The first cycle cools from ``hot`` x the calibrated temperature to 1/1000 of it over 80% of the
-    budget; later cycles restart from the best placement and order at ``reheat`` x it, 4% of the
-    budget each. The kernel runs in chunks of ~20 ms between clock reads.
+    ``_RACERS`` annealers (the best start and random placements) cool from ``hot`` x the calibrated
+    temperature to 1/1000 of it on one geometric schedule, in lockstep; at half of the cooling the
+    better half (by best cost so far) goes on, at three quarters the better half of those, and so on
+    until one is left. CPU is shared so that every annealer that survives to the end would have cooled
+    at the same pace; the budget is spent in chunks of ~20 ms per annealer between clock reads.
     """
     from ravnest_p2p.planning import dtfm_kernel  # numba: imported (and compiled, once) only when used
 
     dtfm_kernel.seed(int(rng.integers(2**31)))
-    state = dtfm_kernel.KernelState(
-        model.pp_weights, model.dp_weights, start, model.pp_cost(start)[1], _KERNEL_DP_SLOPE
-    )
+    states = [
+        dtfm_kernel.KernelState(
+            model.pp_weights, model.dp_weights, start, model.pp_cost(start)[1], _KERNEL_DP_SLOPE
+        )
+    ]
+    stages = model.workload.num_stages
+    for _ in range(_RACERS - 1):
+        layout = random_placement(model.workload, rng)
+        states.append(
+            dtfm_kernel.KernelState(
+                model.pp_weights, model.dp_weights, layout, tuple(range(stages)), _KERNEL_DP_SLOPE
+            )
+        )
     initial_best = model.cost(start)
-    uphill = state.swap_deltas(500)
+    uphill = states[0].swap_deltas(500)
     uphill = uphill[uphill > 0]
     temperature = float(np.median(uphill)) / math.log(2.0) if len(uphill) else 1e-3 * max(initial_best, 1e-9)
     wide = model.workload.num_replicas >= _WIDE_REPLICAS
-    hot = config.start_temperature or (_NOISY_START_WIDE if wide else _NOISY_START)
-    reheat = config.reheat or _NOISY_REHEAT
-    state.run(1, temperature, temperature, _ORDER_SHARE)  # compiles on a fresh install: not a chunk's pace
+    first = temperature * (config.start_temperature or (_NOISY_START_WIDE if wide else _NOISY_START))
+    last = temperature * _COOL_TO
+    states[0].run(
+        1, temperature, temperature, _ORDER_SHARE
+    )  # compiles on a fresh install: not a chunk's pace
+    # rounds: (progress where it starts, its length, annealers in it); CPU share = length x annealers
+    rounds, alive, begin = [], len(states), 0.0
+    while alive > 1:
+        rounds.append((begin, (1.0 - begin) / 2, alive))
+        begin, alive = begin + (1.0 - begin) / 2, alive // 2
+    rounds.append((begin, 1.0 - begin, 1))
+    units = sum(length * count for _, length, count in rounds)
     chunk, proposals, cycles = 1_000, 1, 0
-    while cycles < config.max_generations and not out_of_time():
-        begin = clock() - started
-        left = config.cpu_budget_s - begin
-        span = max(
-            left * _NOISY_FIRST_SHARE if cycles == 0 else min(left, config.cpu_budget_s * _NOISY_LATER_SHARE),
-            1e-6,
-        )
-        first = temperature * (hot if cycles == 0 else reheat)
-        last = temperature * _COOL_TO
-        if cycles > 0:
-            state.restart_from_best()
+    budget = config.cpu_budget_s - (clock() - started)
+    for lo, length, count in rounds:
+        if cycles >= config.max_generations or out_of_time():
+            break
+        states = sorted(states, key=lambda st: st.best_cost)[:count]
+        span = max(budget * length * count / units, 1e-6)
+        opened = clock()
         done = pace = 0.0
         while done < 1.0 and not out_of_time():
             tick = clock()
-            ahead = min(1.0, done + pace)  # where this chunk should end, at the last chunk's pace
-            state.run(chunk, first * (last / first) ** done, first * (last / first) ** ahead, _ORDER_SHARE)
-            proposals += chunk
-            spent = clock() - tick
+            at = lo + length * done
+            ahead = lo + length * min(1.0, done + pace)  # where these chunks should end, at the last pace
+            for st in states:
+                st.run(chunk, first * (last / first) ** at, first * (last / first) ** ahead, _ORDER_SHARE)
+            proposals += chunk * len(states)
+            spent = (clock() - tick) / len(states)
             chunk = int(min(max(chunk * 0.02 / max(spent, 1e-4), 100), 200_000))
-            pace = spent / span
-            done = (clock() - started - begin) / span
-            note((state.best_cost, 0.0))
+            pace = spent * len(states) / span
+            done = (clock() - opened) / span
+            note((min(st.best_cost for st in states), 0.0))
         cycles += 1
+    state = min(states, key=lambda st: st.best_cost)
     best = state.best_placement()
     length, order = model.pp_cost(best)
     return SearchResult(
