@@ -146,7 +146,13 @@ _ORDER_SHARE = 0.1  # compiled annealer: share of proposals that change the stag
 # Compiled annealer: its energy adds this x the mean group all-reduce cost to the cost (the best is
 # still tracked by cost). Session 13, 16x8, 60 s: see `docs/planning-placement.md`.
 _KERNEL_DP_SLOPE = 1.0
-_RACERS = 4  # compiled annealers racing in `_compiled_search` (a power of two)
+# Racing compiled annealers (`_compiled_search`): as many as leave each one that cools to the end this
+# many proposals per device^2 (session 13, 60 s CPU: 8x8 did best with 16 annealers of ~6M proposals,
+# 16x8 with 4 of ~19M; 16 of ~5M each left 16x8 2% worse), at most `_MAX_RACERS`; the pace is measured
+# on `_PACE_PROPOSALS` hot proposals first.
+_ANNEAL_PROPOSALS = 800
+_MAX_RACERS = 16
+_PACE_PROPOSALS = 20_000
 
 
 @dataclass(frozen=True)
@@ -403,6 +409,28 @@ def _schedule(
     return by_time
 
 
+def _race_rounds(racers: int) -> list[tuple[float, float, int]]:
+    """(cooling progress where a round starts, its length, annealers in it): halved at 1/2, 3/4, ..."""
+    rounds, alive, begin = [], racers, 0.0
+    while alive > 1:
+        rounds.append((begin, (1.0 - begin) / 2, alive))
+        begin, alive = begin + (1.0 - begin) / 2, alive // 2
+    rounds.append((begin, 1.0 - begin, 1))
+    return rounds
+
+
+def _racers(proposals: float, devices: int) -> int:
+    """The most annealers (a power of two, <= `_MAX_RACERS`) that still leave each one that cools to the
+    end `_ANNEAL_PROPOSALS` x devices^2 of ``proposals`` in all."""
+    racers = 1
+    while racers < _MAX_RACERS:
+        units = sum(length * count for _, length, count in _race_rounds(racers * 2))
+        if proposals / units < _ANNEAL_PROPOSALS * devices**2:
+            break
+        racers *= 2
+    return racers
+
+
 def _compiled_search(
     model: CostModel,
     config: SearchConfig,
@@ -416,28 +444,22 @@ def _compiled_search(
 ) -> SearchResult:
     """Noisy networks: a race of compiled annealers (`dtfm_kernel`), halved as they cool.
 
-    ``_RACERS`` annealers (the best start and random placements) cool from ``hot`` x the calibrated
-    temperature to 1/1000 of it on one geometric schedule, in lockstep; at half of the cooling the
-    better half (by best cost so far) goes on, at three quarters the better half of those, and so on
-    until one is left. CPU is shared so that every annealer that survives to the end would have cooled
-    at the same pace; the budget is spent in chunks of ~20 ms per annealer between clock reads.
+    Annealers (the best start and random placements; how many: `_racers`, from the pace measured on
+    the first) cool from ``hot`` x the calibrated temperature to 1/1000 of it on one geometric
+    schedule, in lockstep; at half of the cooling the better half (by best cost so far) goes on, at
+    three quarters the better half of those, and so on until one is left. CPU is shared so that the
+    annealer that survives to the end cools at the same pace throughout; the budget is spent in chunks
+    of ~20 ms per annealer between clock reads.
     """
     from ravnest_p2p.planning import dtfm_kernel  # numba: imported (and compiled, once) only when used
 
     dtfm_kernel.seed(int(rng.integers(2**31)))
-    states = [
-        dtfm_kernel.KernelState(
-            model.pp_weights, model.dp_weights, start, model.pp_cost(start)[1], _KERNEL_DP_SLOPE
-        )
-    ]
     stages = model.workload.num_stages
-    for _ in range(_RACERS - 1):
-        layout = random_placement(model.workload, rng)
-        states.append(
-            dtfm_kernel.KernelState(
-                model.pp_weights, model.dp_weights, layout, tuple(range(stages)), _KERNEL_DP_SLOPE
-            )
-        )
+
+    def racer(layout: Placement, order: tuple[int, ...]) -> dtfm_kernel.KernelState:
+        return dtfm_kernel.KernelState(model.pp_weights, model.dp_weights, layout, order, _KERNEL_DP_SLOPE)
+
+    states = [racer(start, model.pp_cost(start)[1])]
     initial_best = model.cost(start)
     uphill = states[0].swap_deltas(500)
     uphill = uphill[uphill > 0]
@@ -445,18 +467,18 @@ def _compiled_search(
     wide = model.workload.num_replicas >= _WIDE_REPLICAS
     first = temperature * (config.start_temperature or (_NOISY_START_WIDE if wide else _NOISY_START))
     last = temperature * _COOL_TO
-    states[0].run(
-        1, temperature, temperature, _ORDER_SHARE
-    )  # compiles on a fresh install: not a chunk's pace
-    # rounds: (progress where it starts, its length, annealers in it); CPU share = length x annealers
-    rounds, alive, begin = [], len(states), 0.0
-    while alive > 1:
-        rounds.append((begin, (1.0 - begin) / 2, alive))
-        begin, alive = begin + (1.0 - begin) / 2, alive // 2
-    rounds.append((begin, 1.0 - begin, 1))
-    units = sum(length * count for _, length, count in rounds)
-    chunk, proposals, cycles = 1_000, 1, 0
+    states[0].run(1, first, first, _ORDER_SHARE)  # compiles on a fresh install: not part of the pace
+    tick = clock()
+    states[0].run(_PACE_PROPOSALS, first, first, _ORDER_SHARE)
+    rate = _PACE_PROPOSALS / max(clock() - tick, 1e-6)
     budget = config.cpu_budget_s - (clock() - started)
+    states += [
+        racer(random_placement(model.workload, rng), tuple(range(stages)))
+        for _ in range(1, _racers(budget * rate, model.num_devices))
+    ]
+    rounds = _race_rounds(len(states))
+    units = sum(length * count for _, length, count in rounds)
+    chunk, proposals, cycles = 1_000, 1 + _PACE_PROPOSALS, 0
     for lo, length, count in rounds:
         if cycles >= config.max_generations or out_of_time():
             break
