@@ -21,11 +21,14 @@ at 1.10x from 0.9 CPU s to the end of the minute in one 45 s first cycle; cycles
 budget with random restarts fixed it but lost `datacenter_on_demand` seed 0, so the first cycle is the
 same as before until it stalls). The final answer is re-scored with the exact model.
 
-Noisy networks (no twins) under the CPU-time schedule (the default) are searched by the compiled
-annealer of `dtfm_kernel` (session 13): the same Metropolis search, but over the placement *and* a
+Noisy networks (no twins) under the CPU-time schedule (the default) are searched by compiled
+annealers (`dtfm_kernel`, session 13): the same Metropolis search, but over the placement *and* a
 stage order together (swaps scored along the current order, 10% of the proposals reverse or move
-groups of the order), at 1-2 us per proposal instead of the Python annealer's 160-190 us (below);
-``SearchConfig(compiled=False)`` keeps the Python one. Results in `docs/planning-placement.md`.
+groups of the order), at ~1-2 us per proposal instead of the Python annealer's 160-190 us (below),
+with a slope of 1x the mean group all-reduce cost in the acceptance (`dtfm_kernel`). Several
+annealers race on one cooling schedule and are halved at 1/2, 3/4, ... of it (`_compiled_search`;
+how many from the measured pace). ``SearchConfig(compiled=False)`` keeps the Python annealer; its
+restart cycles below do not apply to the compiled search. Results in `docs/planning-placement.md`.
 
 Noisy networks (no twins) with the CPU-time schedule get a schedule of their own: the old curves (8x8,
 60 s) spent the first third of the hot cycle at temperatures where the best-so-far did not move (a
@@ -175,7 +178,8 @@ class SearchConfig:
         tsp_exact_limit: stage counts up to which the pipeline path is solved exactly in the loop.
         start_temperature: first annealing cycle's start, as a fraction of the calibrated temperature
             (None: 1 on networks with twins, 0.2 on noisy ones, 1 on noisy ones with >= 16 replicas).
-        reheat: later cycles' start, as that fraction (None: 0.3 with twins, 0.02 on noisy networks).
+        reheat: later cycles' start, as that fraction (None: 0.3 with twins, 0.02 on noisy networks;
+            the Python annealer only: the compiled search has no restart cycles).
         target_cost: also stop once a placement costs at most this (e.g. a known optimum or a
             benchmark's best-known value: the time to reach it is then ``best_found_cpu_s``).
         compiled: on noisy networks under the CPU-time schedule, search with the compiled annealer
