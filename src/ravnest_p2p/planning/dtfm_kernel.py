@@ -241,8 +241,23 @@ def _swap(
             if not dup:
                 lefts[count] = p
                 count += 1
-    # the energy: the cost plus state[2] x the mean group all-reduce cost (a slope on the max's plateau)
-    bias = state[2] * (top_a + top_b - groups_dp[a] - groups_dp[b]) / stages
+    # the energy: the cost plus state[2] x the mean of the groups' all-reduce costs (a slope on the max's
+    # plateau), each cost taken to the power state[3] relative to state[4] (> 1 weighs the slowest groups)
+    if state[3] == 1.0:
+        bias = state[2] * (top_a + top_b - groups_dp[a] - groups_dp[b]) / stages
+    else:
+        power, scale = state[3], state[4]
+        bias = (
+            state[2]
+            * scale
+            * (
+                (top_a / scale) ** power
+                + (top_b / scale) ** power
+                - (groups_dp[a] / scale) ** power
+                - (groups_dp[b] / scale) ** power
+            )
+            / stages
+        )
     delta = new_max - old_max + bias
     for q in range(count):
         p = lefts[q]
@@ -445,10 +460,12 @@ class KernelState:
         placement: tuple[tuple[int, ...], ...],
         order: tuple[int, ...],
         dp_slope: float = 0.0,
+        dp_power: float = 1.0,
     ) -> None:
         self.pp = np.ascontiguousarray(pp_weights, dtype=np.float64)
         self.dp = np.ascontiguousarray(dp_weights, dtype=np.float64)
         self.dp_slope = dp_slope
+        self.dp_power = dp_power
         self.load(placement, order)
 
     def load(self, placement: tuple[tuple[int, ...], ...], order: tuple[int, ...]) -> None:
@@ -473,7 +490,8 @@ class KernelState:
             self.groups_dp[g] = float(self.sums[self.members[g]].max())
         self.cache = np.full((stages, stages), -1.0)
         cost = float(self.groups_dp.max()) + _path(self.pp, self.members, self.cache, self.order)
-        self.state = np.array([cost, cost, self.dp_slope])  # cost along the order, its best, the slope
+        # cost along the order, its best, the slope's weight, power and scale (the start's slowest group)
+        self.state = np.array([cost, cost, self.dp_slope, self.dp_power, float(self.groups_dp.max())])
         self.best_members = self.members.copy()
         self.best_order = self.order.copy()
         self.subs = np.empty((4, size, size))  # scratch: the <= 4 changed edges' weight blocks

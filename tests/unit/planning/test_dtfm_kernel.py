@@ -42,16 +42,19 @@ def test_bottleneck_equals_the_reference_matching_with_and_without_ties(size: in
 
 
 @pytest.mark.parametrize(
-    ("stages", "replicas", "slope"), [(4, 3, 0.0), (6, 2, 1.0), (5, 4, 0.0), (3, 8, 1.0)]
+    ("stages", "replicas", "slope", "power"),
+    [(4, 3, 0.0, 1.0), (6, 2, 1.0, 1.0), (5, 4, 0.0, 1.0), (3, 8, 1.0, 1.0), (4, 4, 1.0, 4.0)],
 )
 def test_kernel_cost_is_the_cost_along_its_order_after_many_moves(
-    stages: int, replicas: int, slope: float
+    stages: int, replicas: int, slope: float, power: float
 ) -> None:
     """The slope on the mean all-reduce cost steers acceptance only: the tracked costs stay true."""
     model = _noisy_model(stages * 10 + replicas, stages, replicas)
     rng = np.random.default_rng(0)
     start = random_placement(model.workload, rng)
-    state = KernelState(model.pp_weights, model.dp_weights, start, tuple(range(stages)), dp_slope=slope)
+    state = KernelState(
+        model.pp_weights, model.dp_weights, start, tuple(range(stages)), dp_slope=slope, dp_power=power
+    )
     assert state.cost == pytest.approx(_cost_along(model, state.members, state.order), rel=1e-12)
     seed(3)
     for temperature in (1.0, 0.1, 1e-3):  # hot: most moves accepted; cold: most refused
