@@ -149,11 +149,6 @@ _ORDER_SHARE = 0.1  # compiled annealer: share of proposals that change the stag
 # Compiled annealer: its energy adds this x the mean group all-reduce cost to the cost (the best is
 # still tracked by cost). Session 13, 16x8, 60 s: see `docs/planning-placement.md`.
 _KERNEL_DP_SLOPE = 1.0
-# ... with each group's cost to this power (relative to the start's slowest group) on wide groups, where
-# every good layout mixes cities in every group and the slowest groups decide (session 13, 8x16, 60 s,
-# ratios to 46.888 s: power 1 1.033-1.039 (3 seeds), 2 1.044 / 1.055, 4 0.983-1.057 (4), 8 0.976-1.048
-# (4, mean 1.016), 16 1.026 / 1.031); the narrow cases were tuned with power 1.
-_KERNEL_DP_POWER_WIDE = 8.0
 # Racing compiled annealers (`_compiled_search`): as many as leave each one that cools to the end this
 # many proposals per device^2 (session 13, 60 s CPU: 8x8 did best with 16 annealers of ~6M proposals,
 # 16x8 with 4 of ~19M; 16 of ~5M each left 16x8 2% worse), at most `_MAX_RACERS`; the pace is measured
@@ -465,12 +460,8 @@ def _compiled_search(
     dtfm_kernel.seed(int(rng.integers(2**31)))
     stages = model.workload.num_stages
 
-    power = _KERNEL_DP_POWER_WIDE if model.workload.num_replicas >= _WIDE_REPLICAS else 1.0
-
     def racer(layout: Placement, order: tuple[int, ...]) -> dtfm_kernel.KernelState:
-        return dtfm_kernel.KernelState(
-            model.pp_weights, model.dp_weights, layout, order, _KERNEL_DP_SLOPE, power
-        )
+        return dtfm_kernel.KernelState(model.pp_weights, model.dp_weights, layout, order, _KERNEL_DP_SLOPE)
 
     states = [racer(start, model.pp_cost(start)[1])]
     initial_best = model.cost(start)
