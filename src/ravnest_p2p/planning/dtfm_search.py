@@ -26,8 +26,8 @@ annealers (`dtfm_kernel`, session 13): the same Metropolis search, but over the 
 stage order together (swaps scored along the current order, 10% of the proposals reverse or move
 groups of the order), at ~1-2 us per proposal instead of the Python annealer's 160-190 us (below),
 with a slope of 1x the mean group all-reduce cost in the acceptance (`dtfm_kernel`). Several
-annealers race on one cooling schedule and are halved at 1/2, 3/4, ... of it (`_compiled_search`;
-how many from the measured pace). ``SearchConfig(compiled=False)`` keeps the Python annealer; its
+annealers race on one cooling schedule and are halved at 1/2, 3/4, ... of it (`dtfm_race`; how
+many from the measured pace). ``SearchConfig(compiled=False)`` keeps the Python annealer; its
 restart cycles below do not apply to the compiled search. Results in `docs/planning-placement.md`.
 
 Noisy networks (no twins) with the CPU-time schedule get a schedule of their own: the old curves (8x8,
@@ -112,7 +112,6 @@ proposals rejected with a few matchings). A compiled matching would be the next 
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -145,17 +144,6 @@ _WIDE_REPLICAS = 16
 _NOISY_REHEAT = 0.02
 _NOISY_FIRST_SHARE = 0.8
 _NOISY_LATER_SHARE = 0.04
-_ORDER_SHARE = 0.1  # compiled annealer: share of proposals that change the stage order
-# Compiled annealer: its energy adds this x the mean group all-reduce cost to the cost (the best is
-# still tracked by cost). Session 13, 16x8, 60 s: see `docs/planning-placement.md`.
-_KERNEL_DP_SLOPE = 1.0
-# Racing compiled annealers (`_compiled_search`): as many as leave each one that cools to the end this
-# many proposals per device^2 (session 13, 60 s CPU: 8x8 did best with 16 annealers of ~6M proposals,
-# 16x8 with 4 of ~19M; 16 of ~5M each left 16x8 2% worse), at most `_MAX_RACERS`; the pace is measured
-# on `_PACE_PROPOSALS` hot proposals first.
-_ANNEAL_PROPOSALS = 800
-_MAX_RACERS = 16
-_PACE_PROPOSALS = 20_000
 
 
 @dataclass(frozen=True)
@@ -307,9 +295,7 @@ def _anneal_search(
     # reproducible runs) keeps the classic temperatures.
     noisy = not soft and config.anneal_moves == 0
     if noisy and config.compiled:
-        return _compiled_search(
-            model, config, rng, state.placement(), out_of_time, note, clock, started, curve
-        )
+        return _race_search(model, config, rng, state.placement(), out_of_time, note, clock, started, curve)
     wide = model.workload.num_replicas >= _WIDE_REPLICAS
     hot = config.start_temperature or ((_NOISY_START_WIDE if wide else _NOISY_START) if noisy else 1.0)
     reheat = config.reheat or (_NOISY_REHEAT if noisy else _REHEAT)
@@ -413,29 +399,7 @@ def _schedule(
     return by_time
 
 
-def _race_rounds(racers: int) -> list[tuple[float, float, int]]:
-    """(cooling progress where a round starts, its length, annealers in it): halved at 1/2, 3/4, ..."""
-    rounds, alive, begin = [], racers, 0.0
-    while alive > 1:
-        rounds.append((begin, (1.0 - begin) / 2, alive))
-        begin, alive = begin + (1.0 - begin) / 2, alive // 2
-    rounds.append((begin, 1.0 - begin, 1))
-    return rounds
-
-
-def _racers(proposals: float, devices: int) -> int:
-    """The most annealers (a power of two, <= `_MAX_RACERS`) that still leave each one that cools to the
-    end `_ANNEAL_PROPOSALS` x devices^2 of ``proposals`` in all."""
-    racers = 1
-    while racers < _MAX_RACERS:
-        units = sum(length * count for _, length, count in _race_rounds(racers * 2))
-        if proposals / units < _ANNEAL_PROPOSALS * devices**2:
-            break
-        racers *= 2
-    return racers
-
-
-def _compiled_search(
+def _race_search(
     model: CostModel,
     config: SearchConfig,
     rng: np.random.Generator,
@@ -446,74 +410,32 @@ def _compiled_search(
     started: float,
     curve: list[tuple[float, float]],
 ) -> SearchResult:
-    """Noisy networks: a race of compiled annealers (`dtfm_kernel`), halved as they cool.
+    """Noisy networks under the CPU-time schedule: racing compiled annealers (`dtfm_race`)."""
+    from ravnest_p2p.planning.dtfm_race import race  # numba: imported (and compiled, once) only when used
 
-    Annealers (the best start and random placements; how many: `_racers`, from the pace measured on
-    the first) cool from ``hot`` x the calibrated temperature to 1/1000 of it on one geometric
-    schedule, in lockstep; at half of the cooling the better half (by best cost so far) goes on, at
-    three quarters the better half of those, and so on until one is left. CPU is shared so that the
-    annealer that survives to the end cools at the same pace throughout; the budget is spent in chunks
-    of ~20 ms per annealer between clock reads.
-    """
-    from ravnest_p2p.planning import dtfm_kernel  # numba: imported (and compiled, once) only when used
-
-    dtfm_kernel.seed(int(rng.integers(2**31)))
-    stages = model.workload.num_stages
-
-    def racer(layout: Placement, order: tuple[int, ...]) -> dtfm_kernel.KernelState:
-        return dtfm_kernel.KernelState(model.pp_weights, model.dp_weights, layout, order, _KERNEL_DP_SLOPE)
-
-    states = [racer(start, model.pp_cost(start)[1])]
-    initial_best = model.cost(start)
-    uphill = states[0].swap_deltas(500)
-    uphill = uphill[uphill > 0]
-    temperature = float(np.median(uphill)) / math.log(2.0) if len(uphill) else 1e-3 * max(initial_best, 1e-9)
     wide = model.workload.num_replicas >= _WIDE_REPLICAS
-    first = temperature * (config.start_temperature or (_NOISY_START_WIDE if wide else _NOISY_START))
-    last = temperature * _COOL_TO
-    states[0].run(1, first, first, _ORDER_SHARE)  # compiles on a fresh install: not part of the pace
-    tick = clock()
-    states[0].run(_PACE_PROPOSALS, first, first, _ORDER_SHARE)
-    rate = _PACE_PROPOSALS / max(clock() - tick, 1e-6)
-    budget = config.cpu_budget_s - (clock() - started)
-    states += [
-        racer(random_placement(model.workload, rng), tuple(range(stages)))
-        for _ in range(1, _racers(budget * rate, model.num_devices))
-    ]
-    rounds = _race_rounds(len(states))
-    units = sum(length * count for _, length, count in rounds)
-    chunk, proposals, cycles = 1_000, 1 + _PACE_PROPOSALS, 0
-    for lo, length, count in rounds:
-        if cycles >= config.max_generations or out_of_time():
-            break
-        states = sorted(states, key=lambda st: st.best_cost)[:count]
-        span = max(budget * length * count / units, 1e-6)
-        opened = clock()
-        done = pace = 0.0
-        while done < 1.0 and not out_of_time():
-            tick = clock()
-            at = lo + length * done
-            ahead = lo + length * min(1.0, done + pace)  # where these chunks should end, at the last pace
-            for st in states:
-                st.run(chunk, first * (last / first) ** at, first * (last / first) ** ahead, _ORDER_SHARE)
-            proposals += chunk * len(states)
-            spent = (clock() - tick) / len(states)
-            chunk = int(min(max(chunk * 0.02 / max(spent, 1e-4), 100), 200_000))
-            pace = spent * len(states) / span
-            done = (clock() - opened) / span
-            note((min(st.best_cost for st in states), 0.0))
-        cycles += 1
-    state = min(states, key=lambda st: st.best_cost)
-    best = state.best_placement()
-    length, order = model.pp_cost(best)
+    outcome = race(
+        model,
+        start,
+        rng,
+        hot=config.start_temperature or (_NOISY_START_WIDE if wide else _NOISY_START),
+        cool_to=_COOL_TO,
+        budget_s=config.cpu_budget_s,
+        max_rounds=config.max_generations,
+        out_of_time=out_of_time,
+        note=note,
+        clock=clock,
+        started=started,
+    )
+    length, order = model.pp_cost(outcome.placement)
     return SearchResult(
-        placement=best,
-        cost=model.dp_cost(best) + length,
+        placement=outcome.placement,
+        cost=model.dp_cost(outcome.placement) + length,
         stage_order=order,
-        generations=cycles,
-        evaluations=proposals,
+        generations=outcome.rounds,
+        evaluations=outcome.proposals,
         cpu_s=clock() - started,
-        initial_best_cost=initial_best,
+        initial_best_cost=model.cost(start),
         best_found_cpu_s=curve[-1][0] if curve else 0.0,
         curve=tuple(curve),
     )

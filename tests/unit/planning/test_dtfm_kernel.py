@@ -135,7 +135,7 @@ def test_compiled_search_is_at_least_as_good_as_the_python_annealer_here() -> No
 
 
 def test_race_rounds_halve_the_annealers_and_cover_the_cooling_once() -> None:
-    from ravnest_p2p.planning.dtfm_search import _race_rounds
+    from ravnest_p2p.planning.dtfm_race import race_rounds as _race_rounds
 
     assert _race_rounds(1) == [(0.0, 1.0, 1)]
     assert _race_rounds(4) == [(0.0, 0.5, 4), (0.5, 0.25, 2), (0.75, 0.25, 1)]
@@ -146,7 +146,7 @@ def test_race_rounds_halve_the_annealers_and_cover_the_cooling_once() -> None:
 
 
 def test_racers_leave_each_surviving_annealer_its_share_of_proposals() -> None:
-    from ravnest_p2p.planning.dtfm_search import _racers
+    from ravnest_p2p.planning.dtfm_race import racer_count as _racers
 
     # the session-13 paces at 60 s CPU: 8x8 ~66M proposals, 16x8 ~52M, 8x16 ~28M
     assert _racers(66e6, 64) == 16

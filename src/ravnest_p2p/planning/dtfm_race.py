@@ -1,0 +1,143 @@
+"""Racing compiled annealers over DT-FM placements and stage orders (noisy networks; see `dtfm_search`).
+
+Method. Annealers of `dtfm_kernel` (the best start and random placements) cool from ``hot`` x the
+calibrated temperature (the one at which the median uphill swap is accepted half the time) to
+``cool_to`` x it on one geometric schedule, in lockstep; at half of the cooling the better half (by
+best cost so far) goes on, at three quarters the better half of those, and so on until one is left
+(`race_rounds`). CPU is shared so that the survivor cools at the same pace throughout; the budget is
+spent in chunks of ~20 ms per annealer between clock reads. How many annealers: as many as leave the
+survivor `ANNEAL_PROPOSALS` x devices^2 proposals at the pace measured on the first one
+(`racer_count`).
+
+Why. After its first cooling the compiled search was never moved by the Python search's restart
+cycles (the basin is chosen while hot), and one run's outcome spread 5-10% between basins. Session 13,
+60 s CPU, ratios to the references of that time: 8x8 did best with 16 annealers of ~6 M proposals each
+(0.928-0.952) against 4 of ~24 M (0.934-0.949); 16x8 with 4 of ~19 M (0.953-0.983) and 8 (0.950-0.964)
+against 16 of ~5 M (0.973-0.975) and one anneal (0.967-0.995). Numbers in `docs/planning-placement.md`.
+
+The energy adds `DP_SLOPE` x the mean group all-reduce cost to the cost (`dtfm_kernel`): 16x8 single
+anneals, 60 s: no slope 1.008-1.034 of the session-12 reference, slope 0.1 0.961-1.078, 1.0
+0.967-0.995, 3.0 0.978 / 0.981.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ravnest_p2p.planning.dtfm import CostModel, Placement, random_placement
+from ravnest_p2p.planning.dtfm_kernel import KernelState, seed
+
+__all__ = ["RaceOutcome", "race", "race_rounds", "racer_count"]
+
+ORDER_SHARE = 0.1  # share of proposals that change the stage order
+DP_SLOPE = 1.0  # the energy's weight on the mean group all-reduce cost (the best is tracked by cost)
+ANNEAL_PROPOSALS = 800  # proposals per device^2 the surviving annealer should get
+MAX_RACERS = 16
+PACE_PROPOSALS = 20_000  # hot proposals on the first annealer that measure the pace
+
+
+@dataclass(frozen=True)
+class RaceOutcome:
+    """The best placement any annealer reached, the rounds run and the proposals made."""
+
+    placement: Placement
+    rounds: int
+    proposals: int
+
+
+def race_rounds(racers: int) -> list[tuple[float, float, int]]:
+    """(cooling progress where a round starts, its length, annealers in it): halved at 1/2, 3/4, ..."""
+    rounds, alive, begin = [], racers, 0.0
+    while alive > 1:
+        rounds.append((begin, (1.0 - begin) / 2, alive))
+        begin, alive = begin + (1.0 - begin) / 2, alive // 2
+    rounds.append((begin, 1.0 - begin, 1))
+    return rounds
+
+
+def racer_count(proposals: float, devices: int) -> int:
+    """The most annealers (a power of two, <= `MAX_RACERS`) that still leave the one that cools to the
+    end `ANNEAL_PROPOSALS` x devices^2 of ``proposals`` in all."""
+    racers = 1
+    while racers < MAX_RACERS:
+        units = sum(length * count for _, length, count in race_rounds(racers * 2))
+        if proposals / units < ANNEAL_PROPOSALS * devices**2:
+            break
+        racers *= 2
+    return racers
+
+
+def race(
+    model: CostModel,
+    start: Placement,
+    rng: np.random.Generator,
+    *,
+    hot: float,
+    cool_to: float,
+    budget_s: float,
+    max_rounds: int,
+    out_of_time: Callable[[], bool],
+    note: Callable[[tuple[float, float]], None],
+    clock: Callable[[], float],
+    started: float,
+) -> RaceOutcome:
+    """Race annealers from ``start`` and random placements until ``out_of_time`` or the cooling ends.
+
+    Args:
+        hot / cool_to: the schedule's ends as fractions of the calibrated temperature.
+        budget_s: the CPU budget counted from ``started`` (as read by ``clock``).
+        max_rounds: stop after this many halving rounds.
+        note: called with ``(best cost so far, 0.0)`` after every chunk (an upper bound: the cost along
+            the annealer's stage order).
+    """
+    seed(int(rng.integers(2**31)))
+    stages = model.workload.num_stages
+
+    def racer(layout: Placement, order: tuple[int, ...]) -> KernelState:
+        return KernelState(model.pp_weights, model.dp_weights, layout, order, DP_SLOPE)
+
+    states = [racer(start, model.pp_cost(start)[1])]
+    uphill = states[0].swap_deltas(500)
+    uphill = uphill[uphill > 0]
+    temperature = (
+        float(np.median(uphill)) / math.log(2.0) if len(uphill) else 1e-3 * max(states[0].cost, 1e-9)
+    )
+    first, last = temperature * hot, temperature * cool_to
+    states[0].run(1, first, first, ORDER_SHARE)  # compiles on a fresh install: not part of the pace
+    tick = clock()
+    states[0].run(PACE_PROPOSALS, first, first, ORDER_SHARE)
+    rate = PACE_PROPOSALS / max(clock() - tick, 1e-6)
+    budget = budget_s - (clock() - started)
+    states += [
+        racer(random_placement(model.workload, rng), tuple(range(stages)))
+        for _ in range(1, racer_count(budget * rate, model.num_devices))
+    ]
+    rounds = race_rounds(len(states))
+    units = sum(length * count for _, length, count in rounds)
+    chunk, proposals, ran = 1_000, 1 + PACE_PROPOSALS, 0
+    for lo, length, count in rounds:
+        if ran >= max_rounds or out_of_time():
+            break
+        states = sorted(states, key=lambda st: st.best_cost)[:count]
+        span = max(budget * length * count / units, 1e-6)
+        opened = clock()
+        done = pace = 0.0
+        while done < 1.0 and not out_of_time():
+            tick = clock()
+            at = lo + length * done
+            ahead = lo + length * min(1.0, done + pace)  # where these chunks should end, at the last pace
+            for st in states:
+                st.run(chunk, first * (last / first) ** at, first * (last / first) ** ahead, ORDER_SHARE)
+            proposals += chunk * len(states)
+            spent = (clock() - tick) / len(states)
+            chunk = int(min(max(chunk * 0.02 / max(spent, 1e-4), 100), 200_000))
+            pace = spent * len(states) / span
+            done = (clock() - opened) / span
+            note((min(st.best_cost for st in states), 0.0))
+        ran += 1
+    best = min(states, key=lambda st: st.best_cost)
+    return RaceOutcome(placement=best.best_placement(), rounds=ran, proposals=proposals)
