@@ -164,24 +164,36 @@ def _path(pp: np.ndarray, members: np.ndarray, cache: np.ndarray, order: np.ndar
 
 
 @njit(cache=True)
-def _swap(
-    pp: np.ndarray,
-    dp: np.ndarray,
-    members: np.ndarray,
-    group_of: np.ndarray,
-    slot_of: np.ndarray,
-    order: np.ndarray,
-    rank: np.ndarray,
-    sums: np.ndarray,
-    groups_dp: np.ndarray,
-    cache: np.ndarray,
-    state: np.ndarray,
-    temperature: float,
-    delta_only: bool,
-    subs: np.ndarray,
-    work: np.ndarray,
+def _swapped_sums(
+    dp: np.ndarray, group: np.ndarray, sums: np.ndarray, leaving: int, arriving: int, out: np.ndarray
 ) -> float:
-    """One swap proposal; returns the energy delta (applied if accepted; ``delta_only`` never applies)."""
+    """Row sums of ``group`` (``arriving`` already in, ``leaving`` out) into ``out``; their max.
+
+    O(D_DP): each member loses its weight to the leaving device and gains the arriving one's; only the
+    arriving device's own row is summed afresh."""
+    size = group.shape[0]
+    top = 0.0
+    for k in range(size):
+        m = group[k]
+        if m == arriving:
+            total = 0.0
+            for q in range(size):
+                if q != k:
+                    total += dp[arriving, group[q]]
+        else:
+            total = sums[m] - dp[m, leaving] + dp[m, arriving]
+        out[k] = total
+        top = max(top, total)
+    return top
+
+
+@njit(cache=True)
+def _swap(pp: np.ndarray, dp: np.ndarray, arrays: tuple, temperature: float, delta_only: bool) -> float:
+    """One swap proposal; returns the energy delta (applied if accepted; ``delta_only`` never applies).
+
+    ``arrays``: the state `KernelState.arrays` bundles (members, group_of, slot_of, order, rank, sums,
+    groups_dp, cache, state, and the scratch subs, work)."""
+    members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, subs, work = arrays
     n = group_of.shape[0]
     size = members.shape[1]
     stages = members.shape[0]
@@ -198,31 +210,8 @@ def _swap(
     new_b[slot_of[j]] = i
     sums_a = np.empty(size)
     sums_b = np.empty(size)
-    # row sums updated in O(D_DP): each member loses its weight to the leaving device, gains the new one
-    top_a = 0.0
-    for k in range(size):
-        m = new_a[k]
-        if m == j:
-            total = 0.0
-            for q in range(size):
-                if q != k:
-                    total += dp[j, new_a[q]]
-        else:
-            total = sums[m] - dp[m, i] + dp[m, j]
-        sums_a[k] = total
-        top_a = max(top_a, total)
-    top_b = 0.0
-    for k in range(size):
-        m = new_b[k]
-        if m == i:
-            total = 0.0
-            for q in range(size):
-                if q != k:
-                    total += dp[i, new_b[q]]
-        else:
-            total = sums[m] - dp[m, j] + dp[m, i]
-        sums_b[k] = total
-        top_b = max(top_b, total)
+    top_a = _swapped_sums(dp, new_a, sums, i, j, sums_a)
+    top_b = _swapped_sums(dp, new_b, sums, j, i, sums_b)
     old_max = 0.0
     new_max = max(top_a, top_b)
     for g in range(stages):
@@ -283,7 +272,7 @@ def _swap(
         delta += values[q] - lows[q]
         if delta > threshold:
             return delta
-    if delta_only or delta > threshold:
+    if delta_only:
         return delta
     members[a] = new_a
     members[b] = new_b
@@ -358,47 +347,22 @@ def _reorder(
 def _run(
     pp: np.ndarray,
     dp: np.ndarray,
-    members: np.ndarray,
-    group_of: np.ndarray,
-    slot_of: np.ndarray,
-    order: np.ndarray,
-    rank: np.ndarray,
-    sums: np.ndarray,
-    groups_dp: np.ndarray,
-    cache: np.ndarray,
-    state: np.ndarray,
+    arrays: tuple,
     best_members: np.ndarray,
     best_order: np.ndarray,
     steps: int,
     t_start: float,
     t_end: float,
     order_share: float,
-    subs: np.ndarray,
-    work: np.ndarray,
 ) -> None:
+    members, _, _, order, rank, _, _, cache, state, _, _ = arrays
     ratio = t_end / t_start
     for step in range(steps):
         temperature = t_start * ratio ** (step / steps)
         if np.random.random() < order_share:
             _reorder(pp, members, order, rank, cache, state, temperature)
         else:
-            _swap(
-                pp,
-                dp,
-                members,
-                group_of,
-                slot_of,
-                order,
-                rank,
-                sums,
-                groups_dp,
-                cache,
-                state,
-                temperature,
-                False,
-                subs,
-                work,
-            )
+            _swap(pp, dp, arrays, temperature, False)
         if state[0] < state[1] - 1e-12 * state[1]:
             state[1] = state[0]
             best_members[:, :] = members
@@ -406,41 +370,10 @@ def _run(
 
 
 @njit(cache=True)
-def _deltas(
-    pp: np.ndarray,
-    dp: np.ndarray,
-    members: np.ndarray,
-    group_of: np.ndarray,
-    slot_of: np.ndarray,
-    order: np.ndarray,
-    rank: np.ndarray,
-    sums: np.ndarray,
-    groups_dp: np.ndarray,
-    cache: np.ndarray,
-    state: np.ndarray,
-    count: int,
-    subs: np.ndarray,
-    work: np.ndarray,
-) -> np.ndarray:
+def _deltas(pp: np.ndarray, dp: np.ndarray, arrays: tuple, count: int) -> np.ndarray:
     out = np.empty(count)
     for k in range(count):
-        out[k] = _swap(
-            pp,
-            dp,
-            members,
-            group_of,
-            slot_of,
-            order,
-            rank,
-            sums,
-            groups_dp,
-            cache,
-            state,
-            0.0,
-            True,
-            subs,
-            work,
-        )
+        out[k] = _swap(pp, dp, arrays, 0.0, True)
     return out
 
 
@@ -464,12 +397,6 @@ class KernelState:
     ) -> None:
         self.pp = np.ascontiguousarray(pp_weights, dtype=np.float64)
         self.dp = np.ascontiguousarray(dp_weights, dtype=np.float64)
-        self.dp_slope = dp_slope
-        self.dp_power = dp_power
-        self.load(placement, order)
-
-    def load(self, placement: tuple[tuple[int, ...], ...], order: tuple[int, ...]) -> None:
-        """Make ``placement`` with stage ``order`` the current and the best state."""
         self.members = np.array(placement, dtype=np.int64)
         stages, size = self.members.shape
         n = stages * size
@@ -491,11 +418,15 @@ class KernelState:
         self.cache = np.full((stages, stages), -1.0)
         cost = float(self.groups_dp.max()) + _path(self.pp, self.members, self.cache, self.order)
         # cost along the order, its best, the slope's weight, power and scale (the start's slowest group)
-        self.state = np.array([cost, cost, self.dp_slope, self.dp_power, float(self.groups_dp.max())])
+        self.state = np.array([cost, cost, dp_slope, dp_power, float(self.groups_dp.max())])
         self.best_members = self.members.copy()
         self.best_order = self.order.copy()
-        self.subs = np.empty((4, size, size))  # scratch: the <= 4 changed edges' weight blocks
-        self.work = np.empty(4 * size, np.int64)  # scratch of the matching
+        subs = np.empty((4, size, size))  # scratch: the <= 4 changed edges' weight blocks
+        work = np.empty(4 * size, np.int64)  # scratch of the matching
+        self.arrays = (
+            self.members, self.group_of, self.slot_of, self.order, self.rank, self.sums, self.groups_dp,
+            self.cache, self.state, subs, work,
+        )  # fmt: skip
 
     @property
     def cost(self) -> float:
@@ -508,21 +439,20 @@ class KernelState:
     def best_placement(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(sorted(int(d) for d in row)) for row in self.best_members)
 
-    def restart_from_best(self) -> None:
-        """Make the best placement and order seen the current state (energy recomputed exactly)."""
-        self.load(self.best_placement(), tuple(int(g) for g in self.best_order))
-
     def run(self, steps: int, t_start: float, t_end: float, order_share: float) -> None:
         """``steps`` proposals cooling geometrically from ``t_start`` to ``t_end``."""
         _run(
-            self.pp, self.dp, self.members, self.group_of, self.slot_of, self.order, self.rank, self.sums,
-            self.groups_dp, self.cache, self.state, self.best_members, self.best_order, steps,
-            t_start, t_end, order_share, self.subs, self.work,
-        )  # fmt: skip
+            self.pp,
+            self.dp,
+            self.arrays,
+            self.best_members,
+            self.best_order,
+            steps,
+            t_start,
+            t_end,
+            order_share,
+        )
 
     def swap_deltas(self, count: int) -> np.ndarray:
         """Energy deltas of ``count`` random swaps, none applied (to calibrate a temperature)."""
-        return _deltas(
-            self.pp, self.dp, self.members, self.group_of, self.slot_of, self.order, self.rank, self.sums,
-            self.groups_dp, self.cache, self.state, count, self.subs, self.work,
-        )  # fmt: skip
+        return _deltas(self.pp, self.dp, self.arrays, count)
