@@ -251,17 +251,29 @@ def hybrid_search(
     best, generations, evaluations, initial_best = ga_search(
         model, starts, sites, rng, config.population_size, config.max_generations, out_of_time, note
     )
+    return _result(model, best, generations, evaluations, initial_best, clock() - started, curve)
+
+
+def _result(
+    model: CostModel,
+    best: Placement,
+    generations: int,
+    evaluations: int,
+    initial_best: float,
+    cpu_s: float,
+    curve: list[tuple[float, float]],
+) -> SearchResult:
+    """``best`` scored exactly (DP + the exact open-loop path) with what the search spent."""
     length, order = model.pp_cost(best)
-    cost = model.dp_cost(best) + length
     return SearchResult(
         placement=best,
-        cost=cost,
+        cost=model.dp_cost(best) + length,
         stage_order=order,
         generations=generations,
         evaluations=evaluations,
-        cpu_s=clock() - started,
+        cpu_s=cpu_s,
         initial_best_cost=initial_best,
-        best_found_cpu_s=best_found,
+        best_found_cpu_s=curve[-1][0] if curve else 0.0,
         curve=tuple(curve),
     )
 
@@ -290,14 +302,23 @@ def _anneal_search(
     best, best_exact = state.placement(), model.cost(state.placement())
     initial_best = best_exact
     note((best_exact, 0.0))
-    temperature = calibrate_temperature(state, classes, rng)
     # The noisy schedule is tuned for CPU budgets of tens of seconds; the by-proposals schedule (tests,
     # reproducible runs) keeps the classic temperatures.
     noisy = not soft and config.anneal_moves == 0
-    if noisy and config.compiled:
-        return _race_search(model, config, rng, state.placement(), out_of_time, note, clock, started, curve)
     wide = model.workload.num_replicas >= _WIDE_REPLICAS
     hot = config.start_temperature or ((_NOISY_START_WIDE if wide else _NOISY_START) if noisy else 1.0)
+    if noisy and config.compiled:  # the race calibrates its own temperature
+        from ravnest_p2p.planning.dtfm_race import race  # numba: imported (and compiled, once) when used
+
+        won = race(
+            model, best, rng, hot=hot, cool_to=_COOL_TO, budget_s=config.cpu_budget_s,
+            max_rounds=config.max_generations, out_of_time=out_of_time, note=note, clock=clock,
+            started=started,
+        )  # fmt: skip
+        return _result(
+            model, won.placement, won.rounds, won.proposals, initial_best, clock() - started, curve
+        )
+    temperature = calibrate_temperature(state, classes, rng)
     reheat = config.reheat or (_NOISY_REHEAT if noisy else _REHEAT)
     # Networks with twins under the CPU-time schedule: a cycle whose best has not moved for a quarter of
     # the budget ends, and a cycle that did not improve the best is followed by a fresh random layout at
@@ -337,18 +358,7 @@ def _anneal_search(
             note((exact, 0.0))
         fresh = restarts and not improved
         state = SwapState(model, random_placement(model.workload, rng) if fresh else best, limit, soft)
-    length, order = model.pp_cost(best)
-    return SearchResult(
-        placement=best,
-        cost=model.dp_cost(best) + length,
-        stage_order=order,
-        generations=cycles,
-        evaluations=proposals,
-        cpu_s=clock() - started,
-        initial_best_cost=initial_best,
-        best_found_cpu_s=curve[-1][0] if curve else 0.0,
-        curve=tuple(curve),
-    )
+    return _result(model, best, cycles, proposals, initial_best, clock() - started, curve)
 
 
 def _schedule(
@@ -397,45 +407,3 @@ def _schedule(
         return latest[0]
 
     return by_time
-
-
-def _race_search(
-    model: CostModel,
-    config: SearchConfig,
-    rng: np.random.Generator,
-    start: Placement,
-    out_of_time: Callable[[], bool],
-    note: Callable[[tuple[float, float]], None],
-    clock: Callable[[], float],
-    started: float,
-    curve: list[tuple[float, float]],
-) -> SearchResult:
-    """Noisy networks under the CPU-time schedule: racing compiled annealers (`dtfm_race`)."""
-    from ravnest_p2p.planning.dtfm_race import race  # numba: imported (and compiled, once) only when used
-
-    wide = model.workload.num_replicas >= _WIDE_REPLICAS
-    outcome = race(
-        model,
-        start,
-        rng,
-        hot=config.start_temperature or (_NOISY_START_WIDE if wide else _NOISY_START),
-        cool_to=_COOL_TO,
-        budget_s=config.cpu_budget_s,
-        max_rounds=config.max_generations,
-        out_of_time=out_of_time,
-        note=note,
-        clock=clock,
-        started=started,
-    )
-    length, order = model.pp_cost(outcome.placement)
-    return SearchResult(
-        placement=outcome.placement,
-        cost=model.dp_cost(outcome.placement) + length,
-        stage_order=order,
-        generations=outcome.rounds,
-        evaluations=outcome.proposals,
-        cpu_s=clock() - started,
-        initial_best_cost=model.cost(start),
-        best_found_cpu_s=curve[-1][0] if curve else 0.0,
-        curve=tuple(curve),
-    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ravnest_p2p.planning import PeerCapacity
+from ravnest_p2p.planning import CostModel, PeerCapacity, Workload
 from ravnest_p2p.types import LayerProfile
 
 
@@ -53,3 +53,15 @@ def heterogeneous_peers(
             )
         )
     return peers
+
+
+def noisy_dtfm_model(seed: int, stages: int, replicas: int) -> CostModel:
+    """A DT-FM cost model of devices in 3 sites with lognormal noise on every link (no twins)."""
+    rng = np.random.default_rng(seed)
+    n = stages * replicas
+    site = rng.integers(0, 3, n)
+    latency = np.where(site[:, None] == site[None, :], 0.002, 0.05) * rng.lognormal(0, 0.2, (n, n))
+    bandwidth = np.where(site[:, None] == site[None, :], 1e9, 1e8) * rng.lognormal(0, 0.3, (n, n))
+    latency, bandwidth = (latency + latency.T) / 2, (bandwidth + bandwidth.T) / 2
+    np.fill_diagonal(latency, 0.0)
+    return CostModel(latency, bandwidth, Workload(stages, replicas, c_dp_bytes=5e8, c_pp_bytes=1e8))

@@ -17,17 +17,7 @@ from ravnest_p2p.planning import (
 )
 from ravnest_p2p.planning.dtfm_anneal import SwapState
 from ravnest_p2p.planning.dtfm_paths import improve_path, path_length, shortest_path
-
-
-def _noisy_model(seed: int, stages: int, replicas: int) -> CostModel:
-    rng = np.random.default_rng(seed)
-    n = stages * replicas
-    site = rng.integers(0, 3, n)
-    latency = np.where(site[:, None] == site[None, :], 0.002, 0.05) * rng.lognormal(0, 0.2, (n, n))
-    bandwidth = np.where(site[:, None] == site[None, :], 1e9, 1e8) * rng.lognormal(0, 0.3, (n, n))
-    latency, bandwidth = (latency + latency.T) / 2, (bandwidth + bandwidth.T) / 2
-    np.fill_diagonal(latency, 0.0)
-    return CostModel(latency, bandwidth, Workload(stages, replicas, c_dp_bytes=5e8, c_pp_bytes=1e8))
+from tests.unit.planning.helpers import noisy_dtfm_model as _noisy_model
 
 
 @pytest.mark.parametrize(

@@ -7,20 +7,10 @@ import itertools
 import numpy as np
 import pytest
 
-from ravnest_p2p.planning import CostModel, SearchConfig, Workload, hybrid_search, random_placement
+from ravnest_p2p.planning import CostModel, SearchConfig, hybrid_search, random_placement
 from ravnest_p2p.planning.dtfm import bottleneck_matching
 from ravnest_p2p.planning.dtfm_kernel import KernelState, bottleneck, seed
-
-
-def _noisy_model(seed_: int, stages: int, replicas: int) -> CostModel:
-    rng = np.random.default_rng(seed_)
-    n = stages * replicas
-    site = rng.integers(0, 3, n)
-    latency = np.where(site[:, None] == site[None, :], 0.002, 0.05) * rng.lognormal(0, 0.2, (n, n))
-    bandwidth = np.where(site[:, None] == site[None, :], 1e9, 1e8) * rng.lognormal(0, 0.3, (n, n))
-    latency, bandwidth = (latency + latency.T) / 2, (bandwidth + bandwidth.T) / 2
-    np.fill_diagonal(latency, 0.0)
-    return CostModel(latency, bandwidth, Workload(stages, replicas, c_dp_bytes=5e8, c_pp_bytes=1e8))
+from tests.unit.planning.helpers import noisy_dtfm_model as _noisy_model
 
 
 def _cost_along(model: CostModel, members: np.ndarray, order: np.ndarray) -> float:
