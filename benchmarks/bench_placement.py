@@ -158,13 +158,13 @@ def run_hard(
             started = time.process_time()
             ours = hybrid_search(model, SearchConfig(cpu_budget_s=budget_s, seed=seed))
             ours_cpu = time.process_time() - started
-            runs = [("ours", ours.cost, ours_cpu)]
+            runs = [("ours", ours.cost, ours_cpu, ours.placement)]
             plain_curve: list[tuple[float, float]] = []
             if plain:
                 started = time.process_time()
-                _, plain_cost, plain_curve = plain_anneal(model, budget_s, seed)
-                runs.append(("plain annealing", plain_cost, time.process_time() - started))
-            for method, cost, cpu_s in runs:
+                plain_placement, plain_cost, plain_curve = plain_anneal(model, budget_s, seed)
+                runs.append(("plain annealing", plain_cost, time.process_time() - started, plain_placement))
+            for method, cost, cpu_s, placement in runs:
                 rows.append(
                     {
                         "part": "hard",
@@ -179,9 +179,10 @@ def run_hard(
                         "proposals": ours.evaluations if method == "ours" else None,
                         "time_to_best_cpu_s": ours.best_found_cpu_s if method == "ours" else None,
                         "load_1min": round(os.getloadavg()[0], 1),
+                        "placement": [[int(d) for d in group] for group in placement],
                     }
                 )
-                print(rows[-1], flush=True)
+                print({k: v for k, v in rows[-1].items() if k != "placement"}, flush=True)
             if seed == seeds[0]:
                 curves[case.name] = {"ours": list(ours.curve), "reference": reference}
                 if plain:
@@ -243,8 +244,11 @@ def merge(settings: dict[str, Any]) -> None:
             refs[row["case"]] = {"cost_s": row["cost_s"], "method": f"bench_placement: {row['method']}",
                                  "seed": row["seed"], "budget_cpu_s": settings.get("budget_cpu_s"),
                                  "cpu_s": round(row["cpu_s"], 1)}  # fmt: skip
+            if row.get("placement"):  # rows of runs before session 14 did not keep it
+                refs[row["case"]]["placement"] = row["placement"]
     if refs:
         save_references(refs)
+    rows = [{k: v for k, v in row.items() if k != "placement"} for row in rows]  # kept in the part files
     for row in rows:
         if row["part"] == "hard":
             row["reference_s"] = refs[row["case"]]["cost_s"]
