@@ -10,15 +10,16 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from ravnest_p2p.cli_common import OneLineArgumentParser, fail, format_validation_error, load_toml, run_loop
 from ravnest_p2p.errors import RavnestError
-from ravnest_p2p.measurement.memory import limit_heap_retention
-from ravnest_p2p.node import Peer, PeerConfig
 from ravnest_p2p.utils import configure_logging
+
+if TYPE_CHECKING:  # the peer's modules import hivemind and torch (~3 s): only once the flags parse
+    from ravnest_p2p.node import Peer, PeerConfig
 
 __all__ = ["build_parser", "config_from_args", "main"]
 
@@ -94,6 +95,8 @@ def build_parser() -> OneLineArgumentParser:
 def config_from_args(argv: Sequence[str] | None = None) -> tuple[PeerConfig, str]:
     """Parse flags (and the optional config file) into a validated `PeerConfig` and a log level."""
     args = build_parser().parse_args(argv)
+    from ravnest_p2p.node import PeerConfig  # after the flags: a bad one fails in well under a second
+
     values: dict[str, Any] = load_toml(args.config) if args.config else {}
     for name in (
         "initial_peers",
@@ -126,6 +129,8 @@ async def _leave(peer: Peer, second_signal: asyncio.Event) -> None:
 
 
 async def _serve(config: PeerConfig) -> int:
+    from ravnest_p2p.node import Peer
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -166,6 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(log_level)
     # before torch allocates anything big: freed tensors go back to the OS, so this peer's resident
     # memory follows what the planner's memory model counts (docs/memory.md)
+    from ravnest_p2p.measurement.memory import limit_heap_retention
+
     limit_heap_retention()
     return run_loop(_serve(config))
 

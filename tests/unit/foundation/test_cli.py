@@ -104,6 +104,20 @@ def test_bad_input_is_one_line_and_nonzero(argv, needle):
     assert needle in lines[0]
 
 
+def test_a_bad_flag_fails_before_the_heavy_imports():
+    """A mistyped flag is reported at once: neither torch nor hivemind is imported for it (~3 s)."""
+    probe = (
+        "import sys\n"
+        "from ravnest_p2p.peer import main\n"
+        "try:\n"
+        "    main(['--bogus'])\n"
+        "except SystemExit as exc:\n"
+        "    print(exc.code, 'torch' in sys.modules, 'hivemind' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=start_s())
+    assert proc.stdout.split() == ["2", "False", "False"], proc.stderr
+
+
 def test_unknown_config_file_field_is_rejected(tmp_path):
     path = tmp_path / "peer.toml"
     path.write_text("runid = 'typo'\n")
