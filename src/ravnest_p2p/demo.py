@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
+from ravnest_p2p.cli_common import OneLineArgumentParser
 from ravnest_p2p.client import RunClient
 from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.status import format_table
@@ -70,7 +72,11 @@ async def _run(initial_peers: list[str], identity_path: Path) -> float:
         return first.eval_accuracy
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    OneLineArgumentParser(  # no options: a stray flag is an error, not a demo started anyway
+        prog="python -m ravnest_p2p.demo",
+        description="Three peers on 127.0.0.1 train the digits CNN as a 3-stage asynchronous pipeline.",
+    ).parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ravnest-demo-") as tmp:
         identity_path = Path(tmp) / "owner.key"
         owner = load_or_create_identity(identity_path).peer_id

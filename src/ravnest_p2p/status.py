@@ -16,12 +16,13 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ravnest_p2p.cli_common import OneLineArgumentParser, fail, run_loop
-from ravnest_p2p.discovery import PeerDirectory, PeerRecord, RunDHT
 from ravnest_p2p.errors import RavnestError
-from ravnest_p2p.membership import DhtPlanBoard
-from ravnest_p2p.training.run_keys import run_keys
+
+if TYPE_CHECKING:  # the DHT side imports hivemind (~2 s): only when a swarm is read, not for a bad flag
+    from ravnest_p2p.discovery import PeerRecord
 
 __all__ = [
     "fetch_peers",
@@ -50,6 +51,10 @@ async def fetch_run(
     initial_peers: Sequence[str], run_id: str, *, timeout_s: float = 20.0, run_owner: str | None = None
 ) -> tuple[list[PeerRecord], int, dict[str, str]]:
     """Records (sorted by peer id), the newest epoch they report, and that epoch's ``plan`` digests."""
+    from ravnest_p2p.discovery import PeerDirectory, RunDHT
+    from ravnest_p2p.membership import DhtPlanBoard
+    from ravnest_p2p.training.run_keys import run_keys
+
     dht = await RunDHT.join_as_client(
         initial_peers, run_id=run_id, timeout_s=timeout_s, keys=run_keys(), run_owner=run_owner
     )

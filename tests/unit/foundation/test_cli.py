@@ -104,11 +104,12 @@ def test_bad_input_is_one_line_and_nonzero(argv, needle):
     assert needle in lines[0]
 
 
-def test_a_bad_flag_fails_before_the_heavy_imports():
+@pytest.mark.parametrize("cli", ["peer", "status"])
+def test_a_bad_flag_fails_before_the_heavy_imports(cli):
     """A mistyped flag is reported at once: neither torch nor hivemind is imported for it (~3 s)."""
     probe = (
         "import sys\n"
-        "from ravnest_p2p.peer import main\n"
+        f"from ravnest_p2p.{cli} import main\n"
         "try:\n"
         "    main(['--bogus'])\n"
         "except SystemExit as exc:\n"
@@ -116,6 +117,14 @@ def test_a_bad_flag_fails_before_the_heavy_imports():
     )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=start_s())
     assert proc.stdout.split() == ["2", "False", "False"], proc.stderr
+
+
+def test_the_demo_refuses_a_flag_instead_of_running():
+    argv = [sys.executable, "-m", "ravnest_p2p.demo", "--bogus"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=start_s())
+    assert proc.returncode == 2  # the demo itself would have run for ~30 s and exited 0
+    assert "unrecognized arguments: --bogus" in proc.stderr
+    assert "starting" not in proc.stdout
 
 
 def test_unknown_config_file_field_is_rejected(tmp_path):
