@@ -9,7 +9,9 @@ import pytest
 
 from ravnest_p2p.planning import CostModel, SearchConfig, hybrid_search, random_placement
 from ravnest_p2p.planning.dtfm import bottleneck_matching
-from ravnest_p2p.planning.dtfm_kernel import KernelState, bottleneck, seed
+from ravnest_p2p.planning.dtfm_bottleneck import bottleneck
+from ravnest_p2p.planning.dtfm_kernel import KernelState, seed
+from ravnest_p2p.planning.dtfm_race import race_rounds, racer_count
 from tests.unit.planning.helpers import noisy_dtfm_model as _noisy_model
 
 
@@ -125,21 +127,17 @@ def test_compiled_search_is_at_least_as_good_as_the_python_annealer_here() -> No
 
 
 def test_race_rounds_halve_the_annealers_and_cover_the_cooling_once() -> None:
-    from ravnest_p2p.planning.dtfm_race import race_rounds as _race_rounds
-
-    assert _race_rounds(1) == [(0.0, 1.0, 1)]
-    assert _race_rounds(4) == [(0.0, 0.5, 4), (0.5, 0.25, 2), (0.75, 0.25, 1)]
+    assert race_rounds(1) == [(0.0, 1.0, 1)]
+    assert race_rounds(4) == [(0.0, 0.5, 4), (0.5, 0.25, 2), (0.75, 0.25, 1)]
     for racers in (2, 8, 16):
-        rounds = _race_rounds(racers)
+        rounds = race_rounds(racers)
         assert sum(length for _, length, _ in rounds) == pytest.approx(1.0)
         assert [count for _, _, count in rounds] == [racers >> k for k in range(len(rounds))]
 
 
 def test_racers_leave_each_surviving_annealer_its_share_of_proposals() -> None:
-    from ravnest_p2p.planning.dtfm_race import racer_count as _racers
-
     # the session-13 paces at 60 s CPU: 8x8 ~66M proposals, 16x8 ~52M, 8x16 ~28M
-    assert _racers(66e6, 64) == 16
-    assert _racers(52e6, 128) == 4
-    assert _racers(28e6, 128) == 2
-    assert _racers(1e3, 128) == 1
+    assert racer_count(66e6, 64) == 16
+    assert racer_count(52e6, 128) == 4
+    assert racer_count(28e6, 128) == 2
+    assert racer_count(1e3, 128) == 1
