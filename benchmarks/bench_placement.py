@@ -182,12 +182,16 @@ def run_hard(
                         "placement": [[int(d) for d in group] for group in placement],
                     }
                 )
-                print({k: v for k, v in rows[-1].items() if k != "placement"}, flush=True)
+                print(_without_placement(rows[-1]), flush=True)
             if seed == seeds[0]:
                 curves[case.name] = {"ours": list(ours.curve), "reference": reference}
                 if plain:
                     curves[case.name]["plain annealing"] = plain_curve
     return rows, curves
+
+
+def _without_placement(row: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in row.items() if key != "placement"}
 
 
 def _plot(curves: dict[str, Any], path: Path) -> bool:
@@ -248,7 +252,7 @@ def merge(settings: dict[str, Any]) -> None:
                 refs[row["case"]]["placement"] = row["placement"]
     if refs:
         save_references(refs)
-    rows = [{k: v for k, v in row.items() if k != "placement"} for row in rows]  # kept in the part files
+    rows = [_without_placement(row) for row in rows]  # placements stay in the part files
     for row in rows:
         if row["part"] == "hard":
             row["reference_s"] = refs[row["case"]]["cost_s"]
