@@ -40,8 +40,10 @@ async def swarm():
         shard_map = build_shard_map(clusters, epoch=2)
         # CONFIG's 3 s step deadline is tight (the product's is 10 s): on a busy host a member that
         # reaches a ring more than a step deadline after the others is left out of that round, by design
-        # (`ring.py`, "Faults"), which is not what these tests steer; the deadline grows with the load.
-        config = CONFIG.model_copy(update={"step_timeout_s": CONFIG.step_timeout_s * load_stretch()})
+        # (`ring.py`, "Faults"), which is not what these tests steer; the deadline grows with the load,
+        # and is at least doubled: daemons starting at the suite's start made a member 3 s late once.
+        stretch = max(2.0, load_stretch())
+        config = CONFIG.model_copy(update={"step_timeout_s": CONFIG.step_timeout_s * stretch})
         for t in transports:
             server = RingAllReduce(RpcEndpoint(t, "it-avg"), config)
             await server.start()

@@ -9,8 +9,9 @@ from ravnest_p2p.utils import aio
 from ravnest_p2p.utils.aio import StretchedDeadline, load_stretch, wait_until
 
 
-def _load(monkeypatch: pytest.MonkeyPatch, load: float, cpus: int = 2) -> None:
+def _load(monkeypatch: pytest.MonkeyPatch, load: float, cpus: int = 2, runnable: int = 0) -> None:
     monkeypatch.setattr(aio.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(aio, "_run_queue", lambda: runnable)
     monkeypatch.setattr(aio.os, "sched_getaffinity", lambda _pid: set(range(cpus)))
 
 
@@ -20,6 +21,22 @@ def test_the_stretch_is_the_load_per_cpu_between_1_and_6(
 ) -> None:
     _load(monkeypatch, load)
     assert load_stretch() == stretch
+
+
+def test_a_host_that_just_got_busy_stretches_before_its_load_average_moves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _load(monkeypatch, 0.2, runnable=8)  # the 1-minute average still reads the quiet minute before
+    assert load_stretch() == 4.0
+
+
+def test_the_run_queue_counts_the_other_runnable_tasks(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1 2 3\nprocs_running 7\nprocs_blocked 0\n")
+    monkeypatch.setattr(aio, "_PROC_STAT", str(stat))
+    assert aio._run_queue() == 6  # this process is one of the 7
+    monkeypatch.setattr(aio, "_PROC_STAT", str(tmp_path / "absent"))
+    assert aio._run_queue() == 0
 
 
 def test_a_deadline_lasts_timeout_times_the_largest_stretch_seen(monkeypatch: pytest.MonkeyPatch) -> None:
