@@ -100,18 +100,26 @@ def _swap(pp: np.ndarray, dp: np.ndarray, arrays: tuple, temperature: float, del
     """One swap proposal; returns the energy delta (applied if accepted; ``delta_only`` never applies).
 
     ``arrays``: the state `KernelState.arrays` bundles (members, group_of, slot_of, order, rank, sums,
-    groups_dp, cache, state, and the scratch subs, work)."""
-    members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, subs, work = arrays
+    groups_dp, cache, state, the scratch subs, work, and the sites: site_of, by_site, site_start)."""
+    members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, subs, work = arrays[:11]
+    site_of, by_site, site_start = arrays[11:]
     n = group_of.shape[0]
     size = members.shape[1]
     stages = members.shape[0]
     i = np.random.randint(0, n)
-    j = np.random.randint(0, n)
     a = group_of[i]
-    b = group_of[j]
-    while a == b:
+    if state[5] > 0.0 and np.random.random() < state[5]:  # a device of i's own site: the mix stays
+        site = site_of[i]
+        j = by_site[site_start[site] + np.random.randint(0, site_start[site + 1] - site_start[site])]
+        b = group_of[j]
+        if a == b:
+            return 0.0
+    else:
         j = np.random.randint(0, n)
         b = group_of[j]
+        while a == b:
+            j = np.random.randint(0, n)
+            b = group_of[j]
     new_a = members[a].copy()
     new_b = members[b].copy()
     new_a[slot_of[i]] = j
@@ -263,7 +271,7 @@ def _run(
     t_end: float,
     order_share: float,
 ) -> None:
-    members, _, _, order, rank, _, _, cache, state, _, _ = arrays
+    members, order, rank, cache, state = arrays[0], arrays[3], arrays[4], arrays[7], arrays[8]
     ratio = t_end / t_start
     for step in range(steps):
         temperature = t_start * ratio ** (step / steps)
@@ -292,6 +300,10 @@ class KernelState:
         pp_weights / dp_weights: the cost model's pipeline and all-reduce pair weights.
         placement: groups of device indices (any order inside a group).
         order: the initial stage order (a permutation of the group indices).
+        dp_slope / dp_power: the energy's weight on the mean group all-reduce cost, and its power.
+        sites / same_site_share: a site label per device, and the share of swap proposals that pair a
+            device with another of its own site (such a swap keeps every group's site mix: for refining
+            a layout whose mixes were chosen first, `dtfm_mix`). Without sites, every swap is uniform.
     """
 
     def __init__(
@@ -302,6 +314,8 @@ class KernelState:
         order: tuple[int, ...],
         dp_slope: float = 0.0,
         dp_power: float = 1.0,
+        sites: np.ndarray | None = None,
+        same_site_share: float = 0.0,
     ) -> None:
         self.pp = np.ascontiguousarray(pp_weights, dtype=np.float64)
         self.dp = np.ascontiguousarray(dp_weights, dtype=np.float64)
@@ -325,15 +339,22 @@ class KernelState:
             self.groups_dp[g] = float(self.sums[self.members[g]].max())
         self.cache = np.full((stages, stages), -1.0)
         cost = float(self.groups_dp.max()) + _path(self.pp, self.members, self.cache, self.order)
-        # cost along the order, its best, the slope's weight, power and scale (the start's slowest group)
-        self.state = np.array([cost, cost, dp_slope, dp_power, float(self.groups_dp.max())])
+        # cost along the order, its best, the slope's weight, power and scale (the start's slowest group),
+        # and the share of same-site swap proposals
+        share = same_site_share if sites is not None else 0.0
+        self.state = np.array([cost, cost, dp_slope, dp_power, float(self.groups_dp.max()), share])
+        site_of = np.zeros(n, np.int64) if sites is None else np.asarray(sites, dtype=np.int64)
+        if site_of.shape != (n,):
+            raise ValueError(f"sites must give one label per device ({n})")
+        by_site = np.argsort(site_of, kind="stable").astype(np.int64)
+        site_start = np.searchsorted(site_of[by_site], np.arange(int(site_of.max()) + 2)).astype(np.int64)
         self.best_members = self.members.copy()
         self.best_order = self.order.copy()
         subs = np.empty((4, size, size))  # scratch: the <= 4 changed edges' weight blocks
         work = np.empty(4 * size, np.int64)  # scratch of the matching
         self.arrays = (
             self.members, self.group_of, self.slot_of, self.order, self.rank, self.sums, self.groups_dp,
-            self.cache, self.state, subs, work,
+            self.cache, self.state, subs, work, site_of, by_site, site_start,
         )  # fmt: skip
 
     @property

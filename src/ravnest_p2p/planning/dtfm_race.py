@@ -23,7 +23,7 @@ anneals, 60 s: no slope 1.008-1.034 of the session-12 reference, slope 0.1 0.961
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,10 +84,17 @@ def race(
     note: Callable[[tuple[float, float]], None],
     clock: Callable[[], float],
     started: float,
+    racers: Sequence[Placement] = (),
+    sites: np.ndarray | None = None,
+    same_site_share: float = 0.0,
 ) -> RaceOutcome:
     """Race annealers from ``start`` and random placements until ``out_of_time`` or the cooling ends.
 
     Args:
+        racers: when given, these are the annealers (a power of two of them) and ``start`` only
+            calibrates the temperature (the mixes-first search of `dtfm_mix`).
+        sites / same_site_share: a site label per device and the share of swaps within a site
+            (`dtfm_kernel.KernelState`).
         hot / cool_to: the schedule's ends as fractions of the calibrated temperature.
         budget_s: the CPU budget counted from ``started`` (as read by ``clock``).
         max_rounds: stop after this many halving rounds.
@@ -98,7 +105,15 @@ def race(
     stages = model.workload.num_stages
 
     def racer(layout: Placement, order: tuple[int, ...]) -> KernelState:
-        return KernelState(model.pp_weights, model.dp_weights, layout, order, DP_SLOPE)
+        return KernelState(
+            model.pp_weights,
+            model.dp_weights,
+            layout,
+            order,
+            DP_SLOPE,
+            sites=sites,
+            same_site_share=same_site_share,
+        )
 
     states = [racer(start, model.pp_cost(start)[1])]
     uphill = states[0].swap_deltas(500)
@@ -112,10 +127,13 @@ def race(
     states[0].run(PACE_PROPOSALS, first, first, ORDER_SHARE)
     rate = PACE_PROPOSALS / max(clock() - tick, 1e-6)
     budget = budget_s - (clock() - started)
-    states += [
-        racer(random_placement(model.workload, rng), tuple(range(stages)))
-        for _ in range(1, racer_count(budget * rate, model.num_devices))
-    ]
+    if racers:
+        states = [racer(layout, model.pp_cost(layout)[1]) for layout in racers]
+    else:
+        states += [
+            racer(random_placement(model.workload, rng), tuple(range(stages)))
+            for _ in range(1, racer_count(budget * rate, model.num_devices))
+        ]
     rounds = race_rounds(len(states))
     units = sum(length * count for _, length, count in rounds)
     chunk, proposals, ran = 1_000, 1 + PACE_PROPOSALS, 0

@@ -29,6 +29,10 @@ with a slope of 1x the mean group all-reduce cost in the acceptance (`dtfm_kerne
 annealers race on one cooling schedule and are halved at 1/2, 3/4, ... of it (`dtfm_race`; how
 many from the measured pace). ``SearchConfig(compiled=False)`` keeps the Python annealer; its
 restart cycles below do not apply to the compiled search. Results in `docs/planning-placement.md`.
+With 16 or more replicas per stage and 2-16 sites found in the matrix (`dtfm_mix.find_cities`), the
+compiled search first spends a quarter of the budget on the groups' site *mixes* (`dtfm_mix`), then
+races fillings of the two best mixes from 0.05x the calibrated temperature with half of the swaps
+inside a site (session 15: the mix decides the basin on wide groups; ``mixes_first=False`` skips it).
 
 Noisy networks (no twins) with the CPU-time schedule get a schedule of their own: the old curves (8x8,
 60 s) spent the first third of the hot cycle at temperatures where the best-so-far did not move (a
@@ -142,6 +146,15 @@ _NOISY_START = 0.2
 _NOISY_START_WIDE = 1.0
 _WIDE_REPLICAS = 16
 _NOISY_REHEAT = 0.02
+# Wide stage groups on noisy networks with a few sites: site mixes first (`dtfm_mix`), in this share of
+# the budget by this many racing mix annealers; the best mixes (this many, filled with random devices)
+# race from this fraction of the calibrated temperature with this share of same-site swaps.
+_MIX_SHARE = 0.25
+_MIX_ANNEALERS = 4
+_MIX_RACERS = 2
+_MIX_REFINE_START = 0.05
+_SAME_SITE_SHARE = 0.5
+_MAX_MIX_SITES = 16
 _NOISY_FIRST_SHARE = 0.8
 _NOISY_LATER_SHARE = 0.04
 
@@ -172,6 +185,8 @@ class SearchConfig:
             benchmark's best-known value: the time to reach it is then ``best_found_cpu_s``).
         compiled: on noisy networks under the CPU-time schedule, search with the compiled annealer
             over placements and stage orders (`dtfm_kernel`); off = the Python annealer.
+        mixes_first: with the compiled annealer, >= 16 replicas per stage and 2-16 sites found in the
+            matrix, search the groups' site mixes first and refine their fillings (`dtfm_mix`).
     """
 
     cpu_budget_s: float = 60.0
@@ -188,6 +203,7 @@ class SearchConfig:
     reheat: float | None = None
     target_cost: float | None = None
     compiled: bool = True
+    mixes_first: bool = True
 
 
 @dataclass(frozen=True)
@@ -310,10 +326,15 @@ def _anneal_search(
     if noisy and config.compiled:  # the race calibrates its own temperature
         from ravnest_p2p.planning.dtfm_race import race  # numba: imported (and compiled, once) when used
 
+        racers: tuple[Placement, ...] = ()
+        labels: np.ndarray | None = None
+        if wide and config.mixes_first:
+            racers, labels = _mix_racers(model, config, rng, out_of_time, clock)
         won = race(
-            model, best, rng, hot=hot, cool_to=_COOL_TO, budget_s=config.cpu_budget_s,
+            model, random_placement(model.workload, rng) if racers else best, rng,
+            hot=_MIX_REFINE_START if racers else hot, cool_to=_COOL_TO, budget_s=config.cpu_budget_s,
             max_rounds=config.max_generations, out_of_time=out_of_time, note=note, clock=clock,
-            started=started,
+            started=started, racers=racers, sites=labels, same_site_share=_SAME_SITE_SHARE,
         )  # fmt: skip
         return _result(
             model, won.placement, won.rounds, won.proposals, initial_best, clock() - started, curve
@@ -359,6 +380,30 @@ def _anneal_search(
         fresh = restarts and not improved
         state = SwapState(model, random_placement(model.workload, rng) if fresh else best, limit, soft)
     return _result(model, best, cycles, proposals, initial_best, clock() - started, curve)
+
+
+def _mix_racers(
+    model: CostModel,
+    config: SearchConfig,
+    rng: np.random.Generator,
+    out_of_time: Callable[[], bool],
+    clock: Callable[[], float],
+) -> tuple[tuple[Placement, ...], np.ndarray | None]:
+    """Fillings of the best site mixes (`dtfm_mix`), and the site labels; none without 2-16 sites."""
+    from ravnest_p2p.planning.dtfm_mix import fill_mix, find_cities, search_mixes
+
+    labels = find_cities(model)
+    if not 2 <= int(labels.max()) + 1 <= _MAX_MIX_SITES:
+        return (), None
+    span = _MIX_SHARE * config.cpu_budget_s
+    found = search_mixes(
+        model, labels, rng, span_s=span, racers=_MIX_ANNEALERS, clock=clock, out_of_time=out_of_time
+    )
+    distinct = [c for k, c in enumerate(found) if k == 0 or c.estimate > found[k - 1].estimate]
+    chosen = distinct[:_MIX_RACERS]
+    while chosen and len(chosen) & (len(chosen) - 1):
+        chosen.pop()
+    return tuple(fill_mix(labels, c.counts, rng) for c in chosen), labels
 
 
 def _schedule(

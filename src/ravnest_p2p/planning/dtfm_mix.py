@@ -1,0 +1,453 @@
+"""Site mixes first: a coarse search over how many devices of each site every stage group holds.
+
+Why. On noisy world-wide networks with wide stage groups (`benchmarks/placement_cases.py`, 8 stages x
+16 replicas) what decides a search is the *mix* of every group -- how many devices of each city it
+holds -- and it is chosen while a device-level annealer is still hot: the good layouts run replicas as
+lanes inside one city through a run of consecutive groups that share one mix, and a single swap breaks
+every lane it touches, so a run's mix cannot change one group at a time. Session 14 measured that a
+60 s device-level search picks a good mix about once in 30 tries, and that the reference's own mixes,
+filled with random devices of each city, refine to 1.005-1.010x of it. So this module finds sites,
+searches mixes on a site-level model, and leaves the devices to the compiled annealer (`dtfm_race`,
+with same-site swaps that keep a mix while devices are chosen).
+
+Sites (`find_cities`). A device is described by its row of pipeline weights to every other device;
+two devices of one city differ there only by per-pair noise, two of different cities also by the
+city pairs. Profile distance: the mean absolute difference of the log weights over all third
+devices; average linkage over it, cut at `CITY_TOLERANCE` x the median merge height (the merges
+inside cities are most of them). On the hard cases this recovers the 8 cities exactly, where linkage
+over the raw weights does not (per-pair noise of ~25% mixes them).
+
+Site-level model. Per site pair, the median all-reduce and the median pipeline weight of its device
+pairs. A group's all-reduce: the largest row sum of its mix; an edge: the bottleneck transport between
+two mixes (the lowest weight level at which every replica of one can be matched to one of the other
+over site pairs at or below it: bisection over the levels, augmenting paths per level).
+
+Mix search (`search_mixes`). Compiled Metropolis over ``counts[g, s]`` (rows sum to the replicas,
+columns to the site sizes) and a stage order, energy = estimated cost + 1 x the mean group
+all-reduce (as `dtfm_kernel`). Moves: one device of site ``x`` for one of ``y`` between two groups; the
+same along two disjoint stretches of the order at once (`LANE_SHARE`: a lane of one site traded for a
+lane of another through a run of groups); stretch reversals of the order (`ORDER_SHARE`). Evaluation
+is incremental (changed groups, their edges). Several annealers from random mixes race on one cooling
+schedule (from the temperature that accepts the median uphill move half the time to 1/1000 of it) and
+are halved at 1/2, 3/4, ... of it, as in `dtfm_race`.
+
+What it reaches (session 15, `docs/planning-placement.md`): on the 8x16 hard case the estimate ranks
+the reference's mixes near the top, and a 15 s mix search ends at the best estimate seen in about a
+third of the runs; the mix search is a lottery of its own, and so is the device refine after it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from ravnest_p2p.planning.dtfm import CostModel, Placement
+
+__all__ = ["MixCandidate", "fill_mix", "find_cities", "mix_estimate", "search_mixes", "site_matrices"]
+
+CITY_TOLERANCE = 1.3  # cut the profile linkage at this many times its median merge height
+ORDER_SHARE = 0.15  # share of mix proposals that reverse a stretch of the stage order
+LANE_SHARE = 0.5  # share of mix proposals that trade a lane through a stretch of groups
+MIX_SLOPE = 1.0  # the energy's weight on the mean group all-reduce (as `dtfm_race.DP_SLOPE`)
+_CHUNK_S = 0.02  # CPU seconds between clock reads
+
+
+@dataclass(frozen=True)
+class MixCandidate:
+    """A mix (``counts[g, s]``: devices of site ``s`` in group ``g``), a stage order, its estimate."""
+
+    estimate: float
+    counts: np.ndarray
+    order: np.ndarray
+
+
+def _profile_distances(weights: np.ndarray) -> np.ndarray:
+    n = weights.shape[0]
+    logs = np.log(np.where(np.eye(n, dtype=bool), 1.0, weights))
+    out = np.empty((n, n))
+    diagonal = np.arange(n)
+    for u in range(n):
+        diff = np.abs(logs[u][None, :] - logs)  # row v, column w: |log w(u, w) - log w(v, w)|
+        diff[:, u] = 0.0
+        diff[diagonal, diagonal] = 0.0
+        out[u] = diff.sum(axis=1) / max(n - 2, 1)
+    out = (out + out.T) / 2.0
+    np.fill_diagonal(out, 0.0)
+    return out
+
+
+def _average_linkage(distances: np.ndarray) -> list[tuple[int, int, float]]:
+    """Merges ``(kept cluster, merged cluster, height)`` of average linkage, in order (ties: lowest index)."""
+    n = distances.shape[0]
+    d = distances.astype(float).copy()
+    np.fill_diagonal(d, np.inf)
+    sizes = np.ones(n)
+    merges = []
+    for _ in range(n - 1):
+        flat = int(np.argmin(d))
+        i, j = divmod(flat, n)
+        i, j = min(i, j), max(i, j)
+        height = float(d[i, j])
+        merged = (sizes[i] * d[i] + sizes[j] * d[j]) / (sizes[i] + sizes[j])
+        d[i], d[:, i] = merged, merged
+        d[i, i] = np.inf
+        d[j, :], d[:, j] = np.inf, np.inf
+        sizes[i] += sizes[j]
+        merges.append((i, j, height))
+    return merges
+
+
+def find_cities(model: CostModel, tolerance: float = CITY_TOLERANCE) -> np.ndarray:
+    """Site label per device (0, 1, ... in order of each site's first device); see the module docstring."""
+    n = model.num_devices
+    labels = np.arange(n)
+    if n < 3:
+        return np.zeros(n, dtype=np.int64)
+    merges = _average_linkage(_profile_distances(model.pp_weights))
+    cut = tolerance * float(np.median([h for _, _, h in merges]))
+    parent = np.arange(n)
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = int(parent[x])
+        return x
+
+    for i, j, height in merges:
+        if height <= cut:
+            parent[root(j)] = root(i)
+    roots = [root(u) for u in range(n)]
+    first: dict[int, int] = {}
+    for u, r in enumerate(roots):
+        first.setdefault(r, len(first))
+        labels[u] = first[r]
+    return labels.astype(np.int64)
+
+
+def site_matrices(model: CostModel, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(all-reduce, pipeline)`` site x site medians of the device pairs' weights (a one-device site's
+    own entry: the median of its weights to every other device)."""
+    sites = int(labels.max()) + 1
+    out = (np.zeros((sites, sites)), np.zeros((sites, sites)))
+    for matrix, weights in zip(out, (model.dp_weights, model.pp_weights), strict=True):
+        for a in range(sites):
+            rows = labels == a
+            for b in range(sites):
+                block = weights[np.ix_(rows, labels == b)]
+                if a == b:
+                    block = (
+                        block[~np.eye(len(block), dtype=bool)] if len(block) > 1 else weights[rows][:, ~rows]
+                    )
+                matrix[a, b] = float(np.median(block))
+    return out
+
+
+@njit(cache=True)
+def _mix_dp(counts: np.ndarray, dp: np.ndarray) -> float:
+    top = 0.0
+    for j in range(counts.shape[0]):
+        if counts[j] > 0:
+            total = -dp[j, j]
+            for k in range(counts.shape[0]):
+                total += counts[k] * dp[j, k]
+            top = max(top, total)
+    return top
+
+
+@njit(cache=True)
+def _transport_fits(a: np.ndarray, b: np.ndarray, pp: np.ndarray, level: float) -> bool:
+    """Whether mix ``a`` matches onto mix ``b`` over site pairs of weight <= ``level`` (max flow)."""
+    sites = a.shape[0]
+    flow = np.zeros((sites, sites), np.int64)
+    left, right = a.copy(), b.copy()
+    total, need = 0, a.sum()
+    queue = np.empty(2 * sites, np.int64)
+    while total < need:
+        from_l = np.full(sites, -2, np.int64)  # -1: reached from the source, else the right node
+        from_r = np.full(sites, -2, np.int64)
+        head = tail = 0
+        for i in range(sites):
+            if left[i] > 0:
+                from_l[i] = -1
+                queue[tail] = i
+                tail += 1
+        found = -1
+        while head < tail and found < 0:
+            u = queue[head]
+            head += 1
+            if u < sites:
+                for j in range(sites):
+                    if from_r[j] == -2 and pp[u, j] <= level:
+                        from_r[j] = u
+                        if right[j] > 0:
+                            found = j
+                            break
+                        queue[tail] = sites + j
+                        tail += 1
+            else:
+                for i in range(sites):
+                    if from_l[i] == -2 and flow[i, u - sites] > 0:
+                        from_l[i] = u - sites
+                        queue[tail] = i
+                        tail += 1
+        if found < 0:
+            return False
+        amount, j = right[found], found
+        while True:
+            i = from_r[j]
+            if from_l[i] == -1:
+                amount = min(amount, left[i])
+                break
+            amount = min(amount, flow[i, from_l[i]])
+            j = from_l[i]
+        right[found] -= amount
+        j = found
+        while True:
+            i = from_r[j]
+            flow[i, j] += amount
+            if from_l[i] == -1:
+                left[i] -= amount
+                break
+            flow[i, from_l[i]] -= amount
+            j = from_l[i]
+        total += amount
+    return True
+
+
+@njit(cache=True)
+def _mix_edge(a: np.ndarray, b: np.ndarray, pp: np.ndarray, levels: np.ndarray) -> float:
+    lo, hi = 0, levels.shape[0] - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _transport_fits(a, b, pp, levels[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return float(levels[lo])
+
+
+@njit(cache=True)
+def _estimate(
+    counts: np.ndarray, order: np.ndarray, dp: np.ndarray, pp: np.ndarray, levels: np.ndarray
+) -> float:
+    top = 0.0
+    for g in range(counts.shape[0]):
+        top = max(top, _mix_dp(counts[g], dp))
+    path = 0.0
+    for i in range(order.shape[0] - 1):
+        path += _mix_edge(counts[order[i]], counts[order[i + 1]], pp, levels)
+    return top + path
+
+
+@njit(cache=True)
+def _propose(
+    counts: np.ndarray, order: np.ndarray, trial: np.ndarray, trial_order: np.ndarray, changed: np.ndarray
+) -> bool:
+    stages, sites = counts.shape
+    trial[:, :] = counts
+    trial_order[:] = order
+    changed[:] = False
+    draw = np.random.random()
+    if draw < ORDER_SHARE:
+        lo, hi = np.random.randint(0, stages), np.random.randint(0, stages)
+        if lo > hi:
+            lo, hi = hi, lo
+        if lo == hi:
+            return False
+        trial_order[lo : hi + 1] = order[lo : hi + 1][::-1]
+        return True
+    x, y = np.random.randint(0, sites), np.random.randint(0, sites)
+    if x == y:
+        return False
+    length = np.random.randint(1, stages // 2 + 1) if draw > 1.0 - LANE_SHARE else 1
+    p, q = np.random.randint(0, stages - length + 1), np.random.randint(0, stages - length + 1)
+    if abs(p - q) < length:
+        return False
+    for k in range(length):
+        g, h = order[p + k], order[q + k]
+        if trial[g, x] <= 0 or trial[h, y] <= 0:
+            return False
+        trial[g, x] -= 1
+        trial[g, y] += 1
+        trial[h, y] -= 1
+        trial[h, x] += 1
+        changed[g] = changed[h] = True
+    return True
+
+
+@njit(cache=True)
+def _anneal(
+    counts: np.ndarray,
+    order: np.ndarray,
+    dp: np.ndarray,
+    pp: np.ndarray,
+    levels: np.ndarray,
+    steps: int,
+    t_start: float,
+    t_end: float,
+    best: np.ndarray,
+    best_counts: np.ndarray,
+    best_order: np.ndarray,
+    deltas: np.ndarray,
+) -> None:
+    """``steps`` proposals cooling from ``t_start`` to ``t_end``; ``best[0]`` and the best layout are
+    updated in place. With ``deltas`` non-empty, nothing is applied: it receives the energy deltas of
+    that many proposals (to calibrate a temperature)."""
+    stages = counts.shape[0]
+    group_dp = np.empty(stages)
+    for g in range(stages):
+        group_dp[g] = _mix_dp(counts[g], dp)
+    edges = np.full((stages, stages), -1.0)
+    path = 0.0
+    for i in range(stages - 1):
+        g, h = order[i], order[i + 1]
+        edges[g, h] = edges[h, g] = _mix_edge(counts[g], counts[h], pp, levels)
+        path += edges[g, h]
+    energy = group_dp.max() + path + MIX_SLOPE * group_dp.mean()
+    trial, trial_order = counts.copy(), order.copy()
+    changed = np.zeros(stages, np.bool_)
+    trial_dp, trial_edges = group_dp.copy(), np.empty(stages - 1)
+    sampled = 0
+    calibrating = deltas.shape[0] > 0
+    step = 0
+    while (sampled < deltas.shape[0]) if calibrating else (step < steps):
+        temperature = t_start * (t_end / t_start) ** (step / max(steps, 1))
+        step += 1
+        if not _propose(counts, order, trial, trial_order, changed):
+            continue
+        top = total = 0.0
+        for g in range(stages):
+            trial_dp[g] = _mix_dp(trial[g], dp) if changed[g] else group_dp[g]
+            top = max(top, trial_dp[g])
+            total += trial_dp[g]
+        trial_path = 0.0
+        for i in range(stages - 1):
+            g, h = trial_order[i], trial_order[i + 1]
+            if changed[g] or changed[h] or edges[g, h] < 0.0:
+                trial_edges[i] = _mix_edge(trial[g], trial[h], pp, levels)
+            else:
+                trial_edges[i] = edges[g, h]
+            trial_path += trial_edges[i]
+        trial_energy = top + trial_path + MIX_SLOPE * total / stages
+        if calibrating:
+            deltas[sampled] = trial_energy - energy
+            sampled += 1
+            continue
+        if trial_energy <= energy or np.random.random() < math.exp((energy - trial_energy) / temperature):
+            counts[:, :] = trial
+            order[:] = trial_order
+            energy = trial_energy
+            for g in range(stages):
+                if changed[g]:
+                    group_dp[g] = trial_dp[g]
+                    edges[g, :] = -1.0
+                    edges[:, g] = -1.0
+            for i in range(stages - 1):
+                edges[order[i], order[i + 1]] = edges[order[i + 1], order[i]] = trial_edges[i]
+            if top + trial_path < best[0]:
+                best[0] = top + trial_path
+                best_counts[:, :] = counts
+                best_order[:] = order
+
+
+@njit(cache=True)
+def _seed(value: int) -> None:
+    np.random.seed(value)
+
+
+def mix_estimate(model: CostModel, labels: np.ndarray, placement: Placement, order: tuple[int, ...]) -> float:
+    """The site-level estimate of ``placement`` along ``order`` (for diagnostics and tests)."""
+    dp, pp = site_matrices(model, labels)
+    sites = dp.shape[0]
+    counts = np.array([np.bincount(labels[list(g)], minlength=sites) for g in placement], dtype=np.int64)
+    return float(_estimate(counts, np.asarray(order, dtype=np.int64), dp, pp, np.unique(pp)))
+
+
+@dataclass
+class _MixAnnealer:
+    counts: np.ndarray
+    order: np.ndarray
+    best: np.ndarray
+    best_counts: np.ndarray
+    best_order: np.ndarray
+
+
+def search_mixes(
+    model: CostModel,
+    labels: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    span_s: float,
+    racers: int,
+    clock: Callable[[], float],
+    out_of_time: Callable[[], bool],
+    hot: float = 1.0,
+    cool_to: float = 1e-3,
+) -> list[MixCandidate]:
+    """``racers`` mix annealers (a power of two) from random mixes on one cooling schedule from ``hot`` to
+    ``cool_to`` x the calibrated temperature over ``span_s`` CPU seconds, the better half going on at 1/2,
+    3/4, ... of it (`dtfm_race.race_rounds`); every annealer's best, best first."""
+    from ravnest_p2p.planning.dtfm_race import race_rounds
+
+    workload = model.workload
+    stages, replicas = workload.num_stages, workload.num_replicas
+    dp, pp = site_matrices(model, labels)
+    levels = np.unique(pp)
+    sites = dp.shape[0]
+    _seed(int(rng.integers(2**31)))
+    annealers = []
+    for _ in range(racers):
+        devices = rng.permutation(model.num_devices).reshape(stages, replicas)
+        counts = np.array([np.bincount(labels[row], minlength=sites) for row in devices], dtype=np.int64)
+        order = np.arange(stages, dtype=np.int64)
+        best = np.array([_estimate(counts, order, dp, pp, levels)])
+        annealers.append(_MixAnnealer(counts, order, best, counts.copy(), order.copy()))
+    first_one = annealers[0]
+    deltas = np.empty(300)
+    _anneal(
+        first_one.counts, first_one.order, dp, pp, levels, 0, 1.0, 1.0, first_one.best,
+        first_one.best_counts, first_one.best_order, deltas,
+    )  # fmt: skip
+    uphill = deltas[deltas > 0]
+    first = hot * (float(np.median(uphill)) / math.log(2.0) if len(uphill) else 1e-3 * first_one.best[0])
+    last = first * cool_to / hot
+    rounds = race_rounds(racers)
+    units = sum(length * count for _, length, count in rounds)
+    alive = list(annealers)
+    chunk = 2_000
+    for lo, length, count in rounds:
+        if out_of_time():
+            break
+        alive = sorted(alive, key=lambda a: float(a.best[0]))[:count]
+        span = max(span_s * length * count / units, 1e-6)
+        opened = clock()
+        done = pace = 0.0
+        while done < 1.0 and not out_of_time():
+            tick = clock()
+            at, ahead = lo + length * done, lo + length * min(1.0, done + pace)
+            t_from, t_to = first * (last / first) ** at, first * (last / first) ** ahead
+            for a in alive:
+                _anneal(
+                    a.counts, a.order, dp, pp, levels, chunk, t_from, t_to, a.best, a.best_counts,
+                    a.best_order, np.empty(0),
+                )  # fmt: skip
+            spent = (clock() - tick) / len(alive)
+            chunk = int(min(max(chunk * _CHUNK_S / max(spent, 1e-4), 200), 500_000))
+            pace = spent * len(alive) / span
+            done = (clock() - opened) / span
+    found = [MixCandidate(float(a.best[0]), a.best_counts, a.best_order) for a in annealers]
+    found.sort(key=lambda c: c.estimate)
+    return found
+
+
+def fill_mix(labels: np.ndarray, counts: np.ndarray, rng: np.random.Generator) -> Placement:
+    """A placement with ``counts[g, s]`` random devices of site ``s`` in group ``g``."""
+    pools = [list(rng.permutation(np.flatnonzero(labels == s))) for s in range(counts.shape[1])]
+    groups = []
+    for row in counts:
+        groups.append(tuple(sorted(int(pools[s].pop()) for s in range(len(row)) for _ in range(int(row[s])))))
+    return tuple(groups)

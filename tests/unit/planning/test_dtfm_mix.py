@@ -1,0 +1,165 @@
+"""Site mixes first (`dtfm_mix`): sites from the matrix, the site-level model, the mix search, the fill."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from benchmarks.placement_cases import make_case
+
+from ravnest_p2p.planning import CostModel, SearchConfig, Workload, dtfm_mix, hybrid_search, random_placement
+from ravnest_p2p.planning.dtfm import bottleneck_matching
+from ravnest_p2p.planning.dtfm_kernel import KernelState, seed
+from ravnest_p2p.planning.dtfm_mix import (
+    _mix_edge,
+    fill_mix,
+    find_cities,
+    mix_estimate,
+    search_mixes,
+    site_matrices,
+)
+
+
+class _Ticks:
+    """A CPU clock that advances a fixed step per reading."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def _site_model(
+    sizes: tuple[int, ...], stages: int, replicas: int, seed_: int, noise: float
+) -> tuple[CostModel, np.ndarray]:
+    """Devices in sites of ``sizes``: site-pair RTT and bandwidth, times lognormal per-pair ``noise``."""
+    rng = np.random.default_rng(seed_)
+    site = np.repeat(np.arange(len(sizes)), sizes)
+    k, n = len(sizes), int(sum(sizes))
+    rtt = rng.uniform(0.02, 0.2, (k, k))
+    gbps = rng.uniform(0.3, 1.2, (k, k))
+    rtt, gbps = np.triu(rtt) + np.triu(rtt, 1).T, np.triu(gbps) + np.triu(gbps, 1).T
+    np.fill_diagonal(rtt, 0.005)
+    np.fill_diagonal(gbps, 2.0)
+    pair = np.exp(noise * rng.standard_normal((n, n)))
+    pair = np.triu(pair, 1) + np.triu(pair, 1).T + np.eye(n)
+    latency = rtt[np.ix_(site, site)] * (pair if noise else 1.0)
+    bandwidth = gbps[np.ix_(site, site)] * 1.25e8 * (pair if noise else 1.0)
+    np.fill_diagonal(latency, 0.0)
+    model = CostModel(latency, bandwidth, Workload(stages, replicas, 650_000_000, 505_732_000))
+    model.memo["matrices"] = (latency, bandwidth)
+    return model, site
+
+
+@pytest.mark.parametrize(("stages", "replicas"), [(8, 8), (8, 16), (16, 8)])
+def test_the_sites_found_in_the_matrix_are_the_hard_cases_cities(stages: int, replicas: int) -> None:
+    case = make_case(stages, replicas, 0)
+    labels = find_cities(case.model())
+    city = np.repeat(np.arange(len(case.city_sizes)), case.city_sizes)
+    assert len(set(zip(labels.tolist(), city.tolist(), strict=True))) == len(set(city.tolist()))
+    assert int(labels.max()) + 1 == len(set(city.tolist()))  # one label per city, no city split
+
+
+def test_sites_do_not_depend_on_the_order_of_the_devices() -> None:
+    model, _ = _site_model((9, 7, 12, 4), 4, 8, 1, 0.25)
+    perm = np.random.default_rng(2).permutation(model.num_devices)
+    latency, bandwidth = model.memo["matrices"]
+    shuffled = CostModel(latency[np.ix_(perm, perm)], bandwidth[np.ix_(perm, perm)], model.workload)
+    first, second = find_cities(model), find_cities(shuffled)
+    together = set(zip(first[perm].tolist(), second.tolist(), strict=True))
+    assert len(together) == int(first.max()) + 1 == int(second.max()) + 1
+
+
+@pytest.mark.parametrize("trial", range(40))
+def test_a_mix_edge_is_the_bottleneck_matching_of_its_expanded_sites(trial: int) -> None:
+    rng = np.random.default_rng(trial)
+    sites, replicas = int(rng.integers(2, 6)), int(rng.integers(1, 9))
+    pp = rng.random((sites, sites))
+    if trial % 2:
+        pp = np.round(pp * 3) / 3  # ties
+    pp = (pp + pp.T) / 2
+    a = np.bincount(rng.integers(0, sites, replicas), minlength=sites).astype(np.int64)
+    b = np.bincount(rng.integers(0, sites, replicas), minlength=sites).astype(np.int64)
+    expanded = pp[np.ix_(np.repeat(np.arange(sites), a), np.repeat(np.arange(sites), b))]
+    assert _mix_edge(a, b, pp, np.unique(pp)) == bottleneck_matching(expanded)[0]
+
+
+def test_the_estimate_is_the_exact_cost_when_sites_are_made_of_twins() -> None:
+    model, site = _site_model((6, 10, 8), 3, 8, 3, 0.0)  # no per-pair noise: medians are exact
+    labels = find_cities(model)
+    assert len(set(zip(labels.tolist(), site.tolist(), strict=True))) == 3
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        placement = random_placement(model.workload, rng)
+        for order in itertools.permutations(range(3)):
+            path = sum(model.edge_cost(placement[a], placement[b]) for a, b in itertools.pairwise(order))
+            exact = model.dp_cost(placement) + path
+            assert mix_estimate(model, labels, placement, order) == pytest.approx(exact, rel=1e-12)
+
+
+def test_the_mix_search_keeps_every_site_and_replica_and_reports_its_estimates() -> None:
+    model, _ = _site_model((20, 11, 9, 16, 8), 4, 16, 4, 0.25)
+    labels = find_cities(model)
+    clock = _Ticks(0.25)  # a few chunks of a few hundred proposals per annealer
+    found = search_mixes(
+        model, labels, np.random.default_rng(1), span_s=3.0, racers=4, clock=clock, out_of_time=lambda: False
+    )
+    assert len(found) == 4
+    assert [c.estimate for c in found] == sorted(c.estimate for c in found)
+    sizes = np.bincount(labels)
+    dp, pp = site_matrices(model, labels)
+    for candidate in found:
+        assert candidate.counts.sum(axis=1).tolist() == [16] * 4
+        assert candidate.counts.sum(axis=0).tolist() == sizes.tolist()
+        placement = fill_mix(labels, candidate.counts, np.random.default_rng(2))
+        model.check(placement)
+        filled = np.array([np.bincount(labels[list(g)], minlength=len(sizes)) for g in placement])
+        assert (filled == candidate.counts).all()
+        estimate = mix_estimate(model, labels, placement, tuple(candidate.order.tolist()))
+        assert estimate == pytest.approx(candidate.estimate, rel=1e-12)
+    assert dp.shape == pp.shape == (len(sizes), len(sizes))
+    start = random_placement(model.workload, np.random.default_rng(3))
+    assert found[0].estimate < mix_estimate(model, labels, start, (0, 1, 2, 3))
+
+
+def test_same_site_swaps_keep_every_groups_site_mix() -> None:
+    model, _ = _site_model((10, 14, 8), 2, 16, 5, 0.25)
+    labels = find_cities(model)
+    start = random_placement(model.workload, np.random.default_rng(0))
+    state = KernelState(
+        model.pp_weights, model.dp_weights, start, (0, 1), 1.0, sites=labels, same_site_share=1.0
+    )
+    before = sorted(np.bincount(labels[row], minlength=3).tolist() for row in state.members)
+    seed(1)
+    state.run(5_000, 1.0, 1.0, 0.1)  # hot: every swap it proposes is taken
+    after = sorted(np.bincount(labels[row], minlength=3).tolist() for row in state.members)
+    assert after == before
+    assert state.members.tolist() != [list(g) for g in start]  # devices did move
+    with pytest.raises(ValueError, match="one label per device"):
+        KernelState(model.pp_weights, model.dp_weights, start, (0, 1), sites=labels[:-1])
+
+
+def test_the_search_takes_the_mix_path_on_wide_groups_with_sites(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def counted(*args: object, **kwargs: object) -> list:
+        calls.append(1)
+        return search_mixes(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dtfm_mix, "search_mixes", counted)
+    model, _ = _site_model((20, 11, 9, 16, 8), 4, 16, 6, 0.25)
+    mixed = hybrid_search(model, SearchConfig(cpu_budget_s=1.0, seed=2), clock=_Ticks(0.05))
+    assert calls == [1]
+    model.check(mixed.placement)
+    assert mixed.cost == pytest.approx(model.cost(mixed.placement), rel=1e-12)
+    assert mixed.cost < mixed.initial_best_cost
+    plain = hybrid_search(
+        model, SearchConfig(cpu_budget_s=1.0, seed=2, mixes_first=False), clock=_Ticks(0.05)
+    )
+    narrow, _ = _site_model((20, 11, 9, 16, 8), 8, 8, 6, 0.25)  # 8 replicas: the plain race
+    hybrid_search(narrow, SearchConfig(cpu_budget_s=1.0, seed=2), clock=_Ticks(0.05))
+    assert calls == [1]
+    model.check(plain.placement)
