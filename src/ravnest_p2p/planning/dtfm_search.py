@@ -29,7 +29,7 @@ with a slope of 1x the mean group all-reduce cost in the acceptance (`dtfm_kerne
 annealers race on one cooling schedule and are halved at 1/2, 3/4, ... of it (`dtfm_race`; how
 many from the measured pace). ``SearchConfig(compiled=False)`` keeps the Python annealer; its
 restart cycles below do not apply to the compiled search. Results in `docs/planning-placement.md`.
-With 16 or more replicas per stage and 2-16 sites found in the matrix (`dtfm_mix.find_cities`), the
+With 16 or more replicas per stage and 2-16 sites found in the matrix (`dtfm_sites.find_cities`), the
 compiled search first spends a quarter of the budget on the groups' site *mixes* (`dtfm_mix`), then
 races fillings of the two best mixes from 0.05x the calibrated temperature with half of the swaps
 inside a site (session 15: the mix decides the basin on wide groups; ``mixes_first=False`` skips it).
@@ -390,7 +390,8 @@ def _mix_racers(
     clock: Callable[[], float],
 ) -> tuple[tuple[Placement, ...], np.ndarray | None]:
     """Fillings of the best site mixes (`dtfm_mix`), and the site labels; none without 2-16 sites."""
-    from ravnest_p2p.planning.dtfm_mix import fill_mix, find_cities, search_mixes
+    from ravnest_p2p.planning.dtfm_mix import fill_mix, search_mixes
+    from ravnest_p2p.planning.dtfm_sites import find_cities
 
     labels = find_cities(model)
     if not 2 <= int(labels.max()) + 1 <= _MAX_MIX_SITES:

@@ -11,14 +11,8 @@ from benchmarks.placement_cases import make_case
 from ravnest_p2p.planning import CostModel, SearchConfig, Workload, dtfm_mix, hybrid_search, random_placement
 from ravnest_p2p.planning.dtfm import bottleneck_matching
 from ravnest_p2p.planning.dtfm_kernel import KernelState, seed
-from ravnest_p2p.planning.dtfm_mix import (
-    _mix_edge,
-    fill_mix,
-    find_cities,
-    mix_estimate,
-    search_mixes,
-    site_matrices,
-)
+from ravnest_p2p.planning.dtfm_mix import _mix_edge, fill_mix, mix_estimate, search_mixes
+from ravnest_p2p.planning.dtfm_sites import find_cities, site_matrices
 
 
 class _Ticks:
