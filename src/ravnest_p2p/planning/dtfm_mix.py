@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from ravnest_p2p.planning.dtfm import CostModel, Placement
+from ravnest_p2p.planning.dtfm import CostModel, Placement, random_placement
 from ravnest_p2p.planning.dtfm_sites import site_matrices
 
 __all__ = ["MixCandidate", "fill_mix", "mix_estimate", "search_mixes"]
@@ -308,15 +308,15 @@ def search_mixes(
     from ravnest_p2p.planning.dtfm_race import race_rounds
 
     workload = model.workload
-    stages, replicas = workload.num_stages, workload.num_replicas
+    stages = workload.num_stages
     dp, pp = site_matrices(model, labels)
     levels = np.unique(pp)
     sites = dp.shape[0]
     _seed(int(rng.integers(2**31)))
     annealers = []
     for _ in range(racers):
-        devices = rng.permutation(model.num_devices).reshape(stages, replicas)
-        counts = np.array([np.bincount(labels[row], minlength=sites) for row in devices], dtype=np.int64)
+        start = random_placement(workload, rng)
+        counts = np.array([np.bincount(labels[list(g)], minlength=sites) for g in start], dtype=np.int64)
         order = np.arange(stages, dtype=np.int64)
         best = np.array([_estimate(counts, order, dp, pp, levels)])
         annealers.append(_MixAnnealer(counts, order, best, counts.copy(), order.copy()))

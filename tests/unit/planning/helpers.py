@@ -65,3 +65,14 @@ def noisy_dtfm_model(seed: int, stages: int, replicas: int) -> CostModel:
     latency, bandwidth = (latency + latency.T) / 2, (bandwidth + bandwidth.T) / 2
     np.fill_diagonal(latency, 0.0)
     return CostModel(latency, bandwidth, Workload(stages, replicas, c_dp_bytes=5e8, c_pp_bytes=1e8))
+
+
+class Ticks:
+    """A CPU clock that advances a fixed step per reading: a time-sliced search becomes reproducible."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now

@@ -12,6 +12,7 @@ from ravnest_p2p.planning.dtfm import bottleneck_matching
 from ravnest_p2p.planning.dtfm_bottleneck import bottleneck
 from ravnest_p2p.planning.dtfm_kernel import KernelState, seed
 from ravnest_p2p.planning.dtfm_race import race_rounds, racer_count
+from tests.unit.planning.helpers import Ticks
 from tests.unit.planning.helpers import noisy_dtfm_model as _noisy_model
 
 
@@ -91,21 +92,10 @@ def test_same_seed_same_moves_same_result() -> None:
     assert outcomes[0] == outcomes[1]
 
 
-class _Ticks:
-    """A CPU clock that advances a fixed step per reading: the time-sliced search becomes reproducible."""
-
-    def __init__(self, step: float) -> None:
-        self.now, self.step = 0.0, step
-
-    def __call__(self) -> float:
-        self.now += self.step
-        return self.now
-
-
 def test_compiled_search_improves_on_its_start_and_reports_the_exact_cost() -> None:
     model = _noisy_model(4, 6, 4)
     config = SearchConfig(cpu_budget_s=2.0, seed=5)
-    result = hybrid_search(model, config, clock=_Ticks(0.02))
+    result = hybrid_search(model, config, clock=Ticks(0.02))
     model.check(result.placement)
     assert result.cost == pytest.approx(model.cost(result.placement), rel=1e-12)
     assert result.cost < result.initial_best_cost
@@ -114,14 +104,14 @@ def test_compiled_search_improves_on_its_start_and_reports_the_exact_cost() -> N
     costs = [c for _, c in result.curve]
     assert all(b < a for a, b in itertools.pairwise(costs))
     assert result.cost <= costs[-1] + 1e-9  # the curve holds upper bounds along the annealed order
-    again = hybrid_search(model, config, clock=_Ticks(0.02))
+    again = hybrid_search(model, config, clock=Ticks(0.02))
     assert again.placement == result.placement
 
 
 def test_compiled_search_is_at_least_as_good_as_the_python_annealer_here() -> None:
     model = _noisy_model(6, 8, 4)
-    compiled = hybrid_search(model, SearchConfig(cpu_budget_s=2.0, seed=1), clock=_Ticks(0.02))
-    python = hybrid_search(model, SearchConfig(cpu_budget_s=2.0, seed=1, compiled=False), clock=_Ticks(0.02))
+    compiled = hybrid_search(model, SearchConfig(cpu_budget_s=2.0, seed=1), clock=Ticks(0.02))
+    python = hybrid_search(model, SearchConfig(cpu_budget_s=2.0, seed=1, compiled=False), clock=Ticks(0.02))
     assert compiled.evaluations > python.evaluations
     assert compiled.cost <= python.cost * 1.001
 

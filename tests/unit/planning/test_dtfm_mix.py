@@ -13,17 +13,7 @@ from ravnest_p2p.planning.dtfm import bottleneck_matching
 from ravnest_p2p.planning.dtfm_kernel import KernelState, seed
 from ravnest_p2p.planning.dtfm_mix import _mix_edge, fill_mix, mix_estimate, search_mixes
 from ravnest_p2p.planning.dtfm_sites import find_cities, site_matrices
-
-
-class _Ticks:
-    """A CPU clock that advances a fixed step per reading."""
-
-    def __init__(self, step: float) -> None:
-        self.now, self.step = 0.0, step
-
-    def __call__(self) -> float:
-        self.now += self.step
-        return self.now
+from tests.unit.planning.helpers import Ticks
 
 
 def _site_model(
@@ -97,7 +87,7 @@ def test_the_estimate_is_the_exact_cost_when_sites_are_made_of_twins() -> None:
 def test_the_mix_search_keeps_every_site_and_replica_and_reports_its_estimates() -> None:
     model, _ = _site_model((20, 11, 9, 16, 8), 4, 16, 4, 0.25)
     labels = find_cities(model)
-    clock = _Ticks(0.25)  # a few chunks of a few hundred proposals per annealer
+    clock = Ticks(0.25)  # a few chunks of a few hundred proposals per annealer
     found = search_mixes(
         model, labels, np.random.default_rng(1), span_s=3.0, racers=4, clock=clock, out_of_time=lambda: False
     )
@@ -145,15 +135,13 @@ def test_the_search_takes_the_mix_path_on_wide_groups_with_sites(monkeypatch: py
 
     monkeypatch.setattr(dtfm_mix, "search_mixes", counted)
     model, _ = _site_model((20, 11, 9, 16, 8), 4, 16, 6, 0.25)
-    mixed = hybrid_search(model, SearchConfig(cpu_budget_s=1.0, seed=2), clock=_Ticks(0.05))
+    mixed = hybrid_search(model, SearchConfig(cpu_budget_s=1.0, seed=2), clock=Ticks(0.05))
     assert calls == [1]
     model.check(mixed.placement)
     assert mixed.cost == pytest.approx(model.cost(mixed.placement), rel=1e-12)
     assert mixed.cost < mixed.initial_best_cost
-    plain = hybrid_search(
-        model, SearchConfig(cpu_budget_s=1.0, seed=2, mixes_first=False), clock=_Ticks(0.05)
-    )
+    plain = hybrid_search(model, SearchConfig(cpu_budget_s=1.0, seed=2, mixes_first=False), clock=Ticks(0.05))
     narrow, _ = _site_model((20, 11, 9, 16, 8), 8, 8, 6, 0.25)  # 8 replicas: the plain race
-    hybrid_search(narrow, SearchConfig(cpu_budget_s=1.0, seed=2), clock=_Ticks(0.05))
+    hybrid_search(narrow, SearchConfig(cpu_budget_s=1.0, seed=2), clock=Ticks(0.05))
     assert calls == [1]
     model.check(plain.placement)
