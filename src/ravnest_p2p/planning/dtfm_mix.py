@@ -12,10 +12,19 @@ with same-site swaps that keep a mix while devices are chosen).
 
 Sites come from the matrix (`dtfm_sites.find_cities`).
 
-Site-level model. Per site pair, the median all-reduce and the median pipeline weight of its device
-pairs. A group's all-reduce: the largest row sum of its mix; an edge: the bottleneck transport between
-two mixes (the lowest weight level at which every replica of one can be matched to one of the other
-over site pairs at or below it: bisection over the levels, augmenting paths per level).
+Site-level model (`site_model`). A group's all-reduce: the largest row sum of its mix over the site
+pairs' `DP_QUANTILE` all-reduce weights (the refine picks the better devices). An edge: the bottleneck
+transport between two mixes, where site pair ``(x, y)`` carries at a weight level as many replicas as
+it has disjoint device pairs at or below that level (`dtfm_sites.matched_levels`; bisection over the
+levels, max flow with those capacities per level). It is a lower bound of the edge of every filling
+of the two mixes (a test), exact when sites are made of twins, and it prices a city crossing at the
+pairs the refine can pick: on `hard-8x16-s0` the reference's two crossings cost 5.38 and 5.71 s, the
+site medians said 12.25 and 10.32, the matched levels say 5.38 and 5.71. The medians' model
+(`MATCHED = False`, `DP_QUANTILE = 0.5`) ranked a mix that refines to 1.11-1.13x (62.71) ahead of one
+that refines to ~1.02x (62.78) and both far ahead of the reference's own mix (67.79); this one ranks
+them reference 42.63 < 43.00 < 45.90, near the reference's cost (45.72). Measured (60 s CPU, seeds
+0-7, ratio to the reference): medians 1.098 1.049 1.013 1.037 1.081 1.021 1.006 1.025 (mean 1.041);
+matched 1.006 1.005 0.998 1.007 1.016 1.027 1.008 1.057 (mean 1.016).
 
 Mix search (`search_mixes`). Compiled Metropolis over ``counts[g, s]`` (rows sum to the replicas,
 columns to the site sizes) and a stage order, energy = estimated cost + 1 x the mean group
@@ -41,13 +50,15 @@ import numpy as np
 from numba import njit
 
 from ravnest_p2p.planning.dtfm import CostModel, Placement, random_placement
-from ravnest_p2p.planning.dtfm_sites import site_matrices
+from ravnest_p2p.planning.dtfm_sites import matched_levels, site_matrices
 
-__all__ = ["MixCandidate", "fill_mix", "mix_estimate", "search_mixes"]
+__all__ = ["MixCandidate", "fill_mix", "mix_estimate", "search_mixes", "site_model"]
 
 ORDER_SHARE = 0.15  # share of mix proposals that reverse a stretch of the stage order
 LANE_SHARE = 0.5  # share of mix proposals that trade a lane through a stretch of groups
 MIX_SLOPE = 1.0  # the energy's weight on the mean group all-reduce (as `dtfm_race.DP_SLOPE`)
+MATCHED = True  # stage edges from k-matching levels (`dtfm_sites.matched_levels`); False: site medians
+DP_QUANTILE = 0.25  # the quantile of a site pair's all-reduce weights a group's mix is estimated with
 _CHUNK_S = 0.02  # CPU seconds between clock reads
 
 
@@ -73,9 +84,17 @@ def _mix_dp(counts: np.ndarray, dp: np.ndarray) -> float:
 
 
 @njit(cache=True)
-def _transport_fits(a: np.ndarray, b: np.ndarray, pp: np.ndarray, level: float) -> bool:
-    """Whether mix ``a`` matches onto mix ``b`` over site pairs of weight <= ``level`` (max flow)."""
+def _transport_fits(a: np.ndarray, b: np.ndarray, pairs: np.ndarray, level: float) -> bool:
+    """Whether mix ``a`` matches onto mix ``b`` at ``level`` (max flow): site pair ``(x, y)`` carries as
+    many replicas as it has device pairs at or below ``level`` (``pairs[x, y, :]``, ascending)."""
     sites = a.shape[0]
+    capacity = np.zeros((sites, sites), np.int64)
+    for i in range(sites):
+        for j in range(sites):
+            k = 0
+            while k < pairs.shape[2] and pairs[i, j, k] <= level:
+                k += 1
+            capacity[i, j] = k
     flow = np.zeros((sites, sites), np.int64)
     left, right = a.copy(), b.copy()
     total, need = 0, a.sum()
@@ -95,7 +114,7 @@ def _transport_fits(a: np.ndarray, b: np.ndarray, pp: np.ndarray, level: float) 
             head += 1
             if u < sites:
                 for j in range(sites):
-                    if from_r[j] == -2 and pp[u, j] <= level:
+                    if from_r[j] == -2 and flow[u, j] < capacity[u, j]:
                         from_r[j] = u
                         if right[j] > 0:
                             found = j
@@ -113,6 +132,7 @@ def _transport_fits(a: np.ndarray, b: np.ndarray, pp: np.ndarray, level: float) 
         amount, j = right[found], found
         while True:
             i = from_r[j]
+            amount = min(amount, capacity[i, j] - flow[i, j])
             if from_l[i] == -1:
                 amount = min(amount, left[i])
                 break
@@ -133,11 +153,11 @@ def _transport_fits(a: np.ndarray, b: np.ndarray, pp: np.ndarray, level: float) 
 
 
 @njit(cache=True)
-def _mix_edge(a: np.ndarray, b: np.ndarray, pp: np.ndarray, levels: np.ndarray) -> float:
+def _mix_edge(a: np.ndarray, b: np.ndarray, pairs: np.ndarray, levels: np.ndarray) -> float:
     lo, hi = 0, levels.shape[0] - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if _transport_fits(a, b, pp, levels[mid]):
+        if _transport_fits(a, b, pairs, levels[mid]):
             hi = mid
         else:
             lo = mid + 1
@@ -146,14 +166,14 @@ def _mix_edge(a: np.ndarray, b: np.ndarray, pp: np.ndarray, levels: np.ndarray) 
 
 @njit(cache=True)
 def _estimate(
-    counts: np.ndarray, order: np.ndarray, dp: np.ndarray, pp: np.ndarray, levels: np.ndarray
+    counts: np.ndarray, order: np.ndarray, dp: np.ndarray, pairs: np.ndarray, levels: np.ndarray
 ) -> float:
     top = 0.0
     for g in range(counts.shape[0]):
         top = max(top, _mix_dp(counts[g], dp))
     path = 0.0
     for i in range(order.shape[0] - 1):
-        path += _mix_edge(counts[order[i]], counts[order[i + 1]], pp, levels)
+        path += _mix_edge(counts[order[i]], counts[order[i + 1]], pairs, levels)
     return top + path
 
 
@@ -198,7 +218,7 @@ def _anneal(
     counts: np.ndarray,
     order: np.ndarray,
     dp: np.ndarray,
-    pp: np.ndarray,
+    pairs: np.ndarray,
     levels: np.ndarray,
     steps: int,
     t_start: float,
@@ -219,7 +239,7 @@ def _anneal(
     path = 0.0
     for i in range(stages - 1):
         g, h = order[i], order[i + 1]
-        edges[g, h] = edges[h, g] = _mix_edge(counts[g], counts[h], pp, levels)
+        edges[g, h] = edges[h, g] = _mix_edge(counts[g], counts[h], pairs, levels)
         path += edges[g, h]
     energy = group_dp.max() + path + MIX_SLOPE * group_dp.mean()
     trial, trial_order = counts.copy(), order.copy()
@@ -242,7 +262,7 @@ def _anneal(
         for i in range(stages - 1):
             g, h = trial_order[i], trial_order[i + 1]
             if changed[g] or changed[h] or edges[g, h] < 0.0:
-                trial_edges[i] = _mix_edge(trial[g], trial[h], pp, levels)
+                trial_edges[i] = _mix_edge(trial[g], trial[h], pairs, levels)
             else:
                 trial_edges[i] = edges[g, h]
             trial_path += trial_edges[i]
@@ -275,10 +295,22 @@ def _seed(value: int) -> None:
 
 def mix_estimate(model: CostModel, labels: np.ndarray, placement: Placement, order: tuple[int, ...]) -> float:
     """The site-level estimate of ``placement`` along ``order`` (for diagnostics and tests)."""
-    dp, pp = site_matrices(model, labels)
+    dp, pairs, levels = site_model(model, labels)
     sites = dp.shape[0]
     counts = np.array([np.bincount(labels[list(g)], minlength=sites) for g in placement], dtype=np.int64)
-    return float(_estimate(counts, np.asarray(order, dtype=np.int64), dp, pp, np.unique(pp)))
+    return float(_estimate(counts, np.asarray(order, dtype=np.int64), dp, pairs, levels))
+
+
+def site_model(model: CostModel, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(dp, pairs, levels)`` of the site-level model: the all-reduce weights per site pair, the
+    pipeline levels per site pair and pair count (`_transport_fits`), and every distinct level."""
+    replicas = model.workload.num_replicas
+    dp, _ = site_matrices(model, labels, DP_QUANTILE)
+    if MATCHED:
+        pairs = matched_levels(model, labels, replicas)
+    else:
+        pairs = np.repeat(site_matrices(model, labels)[1][:, :, None], replicas, axis=2)
+    return dp, pairs, np.unique(pairs[np.isfinite(pairs)])
 
 
 @dataclass
@@ -309,8 +341,7 @@ def search_mixes(
 
     workload = model.workload
     stages = workload.num_stages
-    dp, pp = site_matrices(model, labels)
-    levels = np.unique(pp)
+    dp, pairs, levels = site_model(model, labels)
     sites = dp.shape[0]
     _seed(int(rng.integers(2**31)))
     annealers = []
@@ -318,12 +349,12 @@ def search_mixes(
         start = random_placement(workload, rng)
         counts = np.array([np.bincount(labels[list(g)], minlength=sites) for g in start], dtype=np.int64)
         order = np.arange(stages, dtype=np.int64)
-        best = np.array([_estimate(counts, order, dp, pp, levels)])
+        best = np.array([_estimate(counts, order, dp, pairs, levels)])
         annealers.append(_MixAnnealer(counts, order, best, counts.copy(), order.copy()))
     first_one = annealers[0]
     deltas = np.empty(300)
     _anneal(
-        first_one.counts, first_one.order, dp, pp, levels, 0, 1.0, 1.0, first_one.best,
+        first_one.counts, first_one.order, dp, pairs, levels, 0, 1.0, 1.0, first_one.best,
         first_one.best_counts, first_one.best_order, deltas,
     )  # fmt: skip
     uphill = deltas[deltas > 0]
@@ -346,7 +377,7 @@ def search_mixes(
             t_from, t_to = first * (last / first) ** at, first * (last / first) ** ahead
             for a in alive:
                 _anneal(
-                    a.counts, a.order, dp, pp, levels, chunk, t_from, t_to, a.best, a.best_counts,
+                    a.counts, a.order, dp, pairs, levels, chunk, t_from, t_to, a.best, a.best_counts,
                     a.best_order, np.empty(0),
                 )  # fmt: skip
             spent = (clock() - tick) / len(alive)

@@ -12,7 +12,7 @@ from ravnest_p2p.planning import CostModel, SearchConfig, Workload, dtfm_mix, hy
 from ravnest_p2p.planning.dtfm import bottleneck_matching
 from ravnest_p2p.planning.dtfm_kernel import KernelState, seed
 from ravnest_p2p.planning.dtfm_mix import _mix_edge, fill_mix, mix_estimate, search_mixes
-from ravnest_p2p.planning.dtfm_sites import find_cities, site_matrices
+from ravnest_p2p.planning.dtfm_sites import _k_levels, find_cities, matched_levels, site_matrices
 from tests.unit.planning.helpers import Ticks
 
 
@@ -68,7 +68,48 @@ def test_a_mix_edge_is_the_bottleneck_matching_of_its_expanded_sites(trial: int)
     a = np.bincount(rng.integers(0, sites, replicas), minlength=sites).astype(np.int64)
     b = np.bincount(rng.integers(0, sites, replicas), minlength=sites).astype(np.int64)
     expanded = pp[np.ix_(np.repeat(np.arange(sites), a), np.repeat(np.arange(sites), b))]
-    assert _mix_edge(a, b, pp, np.unique(pp)) == bottleneck_matching(expanded)[0]
+    unlimited = np.repeat(pp[:, :, None], replicas, axis=2)  # every site pair: as many pairs as needed
+    assert _mix_edge(a, b, unlimited, np.unique(pp)) == bottleneck_matching(expanded)[0]
+
+
+@pytest.mark.parametrize("trial", range(30))
+def test_matched_levels_are_the_bottleneck_k_matchings_of_a_block(trial: int) -> None:
+    rng = np.random.default_rng(trial)
+    rows, cols = int(rng.integers(1, 5)), int(rng.integers(1, 6))
+    block = np.round(rng.random((rows, cols)) * (4 if trial % 2 else 100)) + 1.0  # odd trials: ties
+    if trial % 3 == 0:
+        block[rng.random((rows, cols)) < 0.3] = np.inf  # pairs that do not exist
+    levels = _k_levels(block, 4)
+    for k in range(1, 5):
+        brute = min(
+            (
+                max(block[r, c] for r, c in zip(chosen, columns, strict=True))
+                for chosen in itertools.combinations(range(rows), k)
+                for columns in itertools.permutations(range(cols), k)
+            ),
+            default=np.inf,
+        )
+        assert levels[k - 1] == brute
+
+
+def test_the_matched_estimate_is_a_lower_bound_of_every_filling_and_ranks_noise() -> None:
+    model, _ = _site_model((9, 7, 12, 4), 4, 8, 3, 0.3)
+    labels = find_cities(model)
+    pairs = matched_levels(model, labels, 8)
+    assert all(np.all(row[:-1] <= row[1:]) for row in pairs.reshape(-1, 8))  # ascending in k (inf last)
+    assert np.isinf(pairs[3, 3, 2:]).all()  # a site of 4: at most 2 pairs inside it
+    levels = np.unique(pairs[np.isfinite(pairs)])
+    rng = np.random.default_rng(4)
+    tighter = 0
+    for _ in range(20):
+        placement = random_placement(model.workload, rng)
+        counts = np.array([np.bincount(labels[list(g)], minlength=4) for g in placement], dtype=np.int64)
+        for g, h in itertools.pairwise(range(4)):
+            estimate = _mix_edge(counts[g], counts[h], pairs, levels)
+            assert estimate <= model.edge_cost(placement[g], placement[h]) + 1e-12
+            medians = np.repeat(site_matrices(model, labels)[1][:, :, None], 8, axis=2)
+            tighter += estimate < _mix_edge(counts[g], counts[h], medians, np.unique(medians))
+    assert tighter > 0  # the median model overestimates what the refine can pick
 
 
 def test_the_estimate_is_the_exact_cost_when_sites_are_made_of_twins() -> None:
