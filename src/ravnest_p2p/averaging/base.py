@@ -34,7 +34,7 @@ class RingConfig(BaseModel):
     # part streams to the right neighbour per attempt, parts dealt round-robin. Each libp2p stream has
     # its own flow-control window in the daemons, and one stream's window, not the link, capped a ring
     # member at ~0.92 of a 100 Mbit/s link's wire rate (lab, 64 MB, 4 peers: 8.69 s/round with 1
-    # stream, 8.20-8.22 s with 2, 3 or 4; see `partstream.py`). One while the pipeline sends (`ring.py`)
+    # stream, 8.20-8.22 s with 2, 3 or 4; see `partstream.py`). One while the pipeline sends (`ring_io.py`)
     streams_per_neighbour: int = Field(default=2, ge=1, le=8)
     # with link rates in payload bytes/s: send at most this fraction of min(my upload, right's download),
     # so that my uplink's queue stays short. Lab, 64 MB, 25/50/100/200 Mbit/s, chunks by rate: 26.1 s

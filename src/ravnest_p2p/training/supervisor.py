@@ -11,7 +11,8 @@ plan routes around the fault) or end the job (an explicit assignment cannot).
 Why one owner: the job loop used to live in the node and re-derive the role, restart from the initial
 weights on every plan change, and forget in a restarted process that a job had ended. Here the life
 cycle is one object over injected seams (DHT, plan source, runner factory, state source, suspect
-reporter), unit-tested with in-memory fakes; `node.py` only wires the real ones.
+reporter), unit-tested with in-memory fakes; `node.py` only wires the real ones. How one role runs
+(start, watch, move in place, hand over, fail) is the `RoleRuns` half in `training.supervisor_run`.
 
 A stage whose cluster the new plan did not change (same peers, order and layers: `continuity`) is not
 stopped: the runner moves to the new role in place (`StageRunner.rebase`) and keeps training.
@@ -31,18 +32,14 @@ from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from ravnest_p2p.discovery import dht_time
-from ravnest_p2p.planning import Plan
-from ravnest_p2p.training.continuity import continues_in_place
 from ravnest_p2p.training.datasets import load_job_data, missing_parts
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.jobs import read_job_signed
 from ravnest_p2p.training.placement import job_serving
 from ravnest_p2p.training.progress import (
-    JobProgress,
     ProgressStore,
     ProgressView,
     may_start,
-    publish_progress,
     read_progress,
 )
 from ravnest_p2p.training.resume import (
@@ -50,8 +47,8 @@ from ravnest_p2p.training.resume import (
     StateSource,
 )
 from ravnest_p2p.training.role import StageRole, role_for
-from ravnest_p2p.training.stage_state import StageState
 from ravnest_p2p.training.state_choice import StateChoice
+from ravnest_p2p.training.supervisor_run import RoleRuns
 from ravnest_p2p.training.supervisor_seams import (
     PlanSource,
     RunnerFactory,
@@ -59,8 +56,6 @@ from ravnest_p2p.training.supervisor_seams import (
     SupervisorConfig,
     SuspectReporter,
     WorkloadFactory,
-    awaited,
-    lost_neighbour,
     rerun_allowed,
 )
 from ravnest_p2p.types import PeerState
@@ -79,7 +74,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class JobSupervisor:
+class JobSupervisor(RoleRuns):
     """Drives this peer's part of the run's job across plans (see module docstring).
 
     Args:
@@ -291,205 +286,6 @@ class JobSupervisor:
         if plan is None or self.plans.active_workload != job.job_id:
             return None
         return role_for(job, plan, self.peer_id, progress=progress)
-
-    # ----- one run -----------------------------------------------------------------------------------
-    async def _starting_state(
-        self, job: JobSpec, role: StageRole, progress: ProgressView | None
-    ) -> StageState | None:
-        state, self.last_origin = await self._choice.starting_state(
-            job,
-            role,
-            progress,
-            held=self._held.get(role.job_id),
-            previous=self._previous.get(role.job_id),
-            positions=self._positions.get(role.job_id, {}),
-        )
-        return state
-
-    async def _run(self, job: JobSpec, owner: str, role: StageRole, progress: ProgressView | None) -> None:
-        logger.info(
-            "job %s: stage %d of %d in cluster %d (epoch %d, from micro-batch %d)",
-            job.job_id,
-            role.stage_index,
-            role.num_stages,
-            role.cluster_index,
-            role.epoch,
-            role.data_start,
-        )
-        self.role = role
-        self.runs.append(role)
-        self._ran.add((job.job_id, role.epoch))
-        self._set_state(PeerState.TRAINING)
-        self._idle.clear()
-        try:
-            previous = self._previous.get(job.job_id)
-            if self.serve_to is not None and previous is not None and previous.epoch != role.epoch:
-                # the new owners pull from us (the old plan's peers may still ask too)
-                self.serve_to(job.job_id, previous.epoch, previous.plan_peers | role.plan_peers)
-            # learning addresses and pulling state may wait on a peer that died: not past a plan change
-            prepared = await self._unless_plan_moves(role, self._prepare_state(job, role, progress))
-            if prepared is None:
-                logger.info("job %s: the plan moved while stage %d prepared", job.job_id, role.stage_index)
-                return
-            (state,) = prepared
-            placed = job.model_copy(update={"assignment": role.assignment})
-            runner = self.runner = self.start_runner(placed, role, state)
-            if self._failed_epoch.get(job.job_id, (None, 0))[0] == role.epoch and hasattr(
-                runner, "ready_timeout_s"
-            ):
-                # a retry on the plan that failed: a neighbour not back within seconds is not coming;
-                # the stage names it (`NeighbourLost`) and the supervisor waits for the next plan
-                runner.ready_timeout_s = self.config.retry_ready_s
-            task = self._tasks.spawn(runner.run(), name=f"job-{job.job_id}-{role.epoch}")
-            try:
-                await self._watch(job, owner, role, runner, task)
-            except asyncio.CancelledError:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-                raise
-        finally:
-            self._idle.set()
-            self._set_state(PeerState.READY if not self._draining.is_set() else PeerState.DRAINING)
-
-    async def _prepare_state(
-        self, job: JobSpec, role: StageRole, progress: ProgressView | None
-    ) -> tuple[StageState | None]:
-        if self.prepare is not None:
-            await self.prepare(role)
-        if progress is None and self._previous.get(role.job_id) is not None:
-            # which replica is freshest comes from the progress: one more read if the first failed
-            progress = await self._read(read_progress(self.dht, role.job_id, owner_peer_id=None))
-        return (await self._starting_state(job, role, progress),)
-
-    async def _unless_plan_moves(self, role: StageRole, coro: Awaitable[Any]) -> Any:
-        """Await `coro`, or cancel it and return None once the agreed plan moves past `role`'s."""
-        task = self._tasks.spawn(awaited(coro), name=f"prepare-{role.job_id}-{role.epoch}")
-        try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=self.config.poll_s)
-                plan = self.plans.active_plan if self.plans is not None else None
-                moved = role.on_agreed_plan and plan is not None and plan.epoch != role.epoch
-                if not task.done() and (moved or self._draining.is_set()):
-                    task.cancel()
-                    with contextlib.suppress(BaseException):
-                        await task
-                    return None
-            return task.result()
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-
-    async def _watch(
-        self, job: JobSpec, owner: str, role: StageRole, runner: StageRun, task: asyncio.Task[Any]
-    ) -> None:
-        progress: ProgressView | None = None
-        while not task.done():
-            await asyncio.wait({task}, timeout=self.config.poll_s)
-            if task.done():
-                break
-            plan = self.plans.active_plan if self.plans is not None else None
-            moved = role.on_agreed_plan and plan is not None and plan.epoch != role.epoch
-            if moved and not self._draining.is_set() and plan is not None:
-                # a cluster the new plan did not change keeps training: the stage moves in place
-                kept = await self._move_in_place(job, role, runner, plan, progress)
-                if kept is not None:
-                    role, moved = kept, False
-            if self._draining.is_set() or moved:
-                why = (
-                    "draining"
-                    if self._draining.is_set()
-                    else f"plan moved to epoch {plan.epoch if plan else '?'}"
-                )
-                logger.info("job %s: %s; handing the stage over", job.job_id, why)
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-                self._keep(role, runner)
-                return
-            progress = await self._read(read_progress(self.dht, job.job_id, owner_peer_id=owner))
-            if progress is not None:
-                seen = self._positions.setdefault(job.job_id, {})
-                for key, position in progress.positions.items():
-                    seen[key] = max(seen.get(key, 0), position)
-            if progress is not None and progress.stopped and not runner.stop_requested.is_set():
-                logger.info("job %s: stopped by its owner; finishing", job.job_id)
-                runner.stop_requested.set()
-        try:
-            task.result()
-        except Exception as exc:
-            self._keep(role, runner)
-            await self._on_failure(job, role, exc)
-            return
-        self._keep(role, runner)
-        self.finished.add(job.job_id)
-        logger.info("job %s finished here", job.job_id)
-
-    async def _move_in_place(
-        self, job: JobSpec, role: StageRole, runner: StageRun, plan: Plan, progress: ProgressView | None
-    ) -> StageRole | None:
-        """Move the running stage to its role on `plan` without stopping it, if its cluster is unchanged
-        there (`continuity.continues_in_place`); returns the new role, or None for a hand-over."""
-        rebase = getattr(runner, "rebase", None)
-        if rebase is None or self.plans is None or self.plans.active_workload != job.job_id:
-            return None
-        new = role_for(job, plan, self.peer_id, progress=progress)
-        if new is None or not continues_in_place(role, new):
-            return None
-        try:
-            await rebase(new)
-        except Exception as exc:  # e.g. the stage is still starting: hand it over the usual way
-            logger.warning("job %s: moving stage %d in place failed: %r", job.job_id, role.stage_index, exc)
-            return None
-        logger.info(
-            "job %s: plan moved to epoch %d; cluster unchanged, stage %d keeps training (cluster %d -> %d)",
-            job.job_id,
-            new.epoch,
-            new.stage_index,
-            role.cluster_index,
-            new.cluster_index,
-        )
-        if self.serve_to is not None:  # the re-formed clusters' new owners may pull the old epoch's state
-            self.serve_to(job.job_id, role.epoch, role.plan_peers | new.plan_peers)
-        self.role = new
-        self.runs.append(new)
-        self.moved_in_place += 1
-        self._ran.add((job.job_id, new.epoch))
-        if self.prepare is not None:  # the new replicas' addresses, for the averaging rings
-            self._tasks.spawn(awaited(self.prepare(new)), name=f"prepare-{job.job_id}-{new.epoch}")
-        return new
-
-    def _keep(self, role: StageRole, runner: StageRun) -> None:
-        if runner.held_state is not None:
-            self._held[role.job_id] = runner.held_state
-        self._previous[role.job_id] = role
-
-    async def _on_failure(self, job: JobSpec, role: StageRole, exc: BaseException) -> None:
-        logger.error("job %s failed on this peer: %s", job.job_id, exc)
-        lost = lost_neighbour(exc)
-        if lost is not None and self.suspects is not None:
-            # the membership verifies (pings) and opens a new epoch without waiting for the record to expire
-            self.suspects.report_suspect(lost, f"stage {role.stage_index}: {exc}"[:200])
-        if role.on_agreed_plan:
-            # e.g. a pipeline partner died: the swarm re-plans without it, and we run again there
-            failed_epoch, failures = self._failed_epoch.get(job.job_id, (None, 0))
-            failures = failures + 1 if failed_epoch == role.epoch else 1
-            self._failed_epoch[job.job_id] = (role.epoch, failures)
-            self._failed_at = asyncio.get_running_loop().time()
-            return
-        # an explicit assignment cannot route around the fault: the job has ended (a peer restarted
-        # with the same identity must not pick it back up)
-        self.finished.add(job.job_id)
-        record = JobProgress(
-            job_id=job.job_id,
-            peer_id=self.peer_id,
-            epoch=role.epoch,
-            cluster=role.cluster_index,
-            num_clusters=role.num_clusters,
-            ended=True,
-            reason=f"stage {role.stage_index} of cluster {role.cluster_index} failed: {exc}"[:500],
-        )
-        await publish_progress(self.dht, record, final=True)
 
     def _set_state(self, state: PeerState) -> None:
         if self.on_state is not None:
