@@ -3,7 +3,9 @@ stores whatever it likes in its own storage and sends raw store requests straigh
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -96,6 +98,20 @@ async def swarm(n: int, run_id: str, **overrides: Any) -> AsyncIterator[list]:
         yield peers
     finally:
         await close_all(peers)
+
+
+async def announces(peer: Any, timeout_s: float = 30.0) -> bool:
+    """Whether ``peer`` can still announce its record, retried under a deadline.
+
+    One announce can miss every replica's RPC deadline on a busy host (seen: one refusal in a full
+    suite run beside other work); a forged value that displaced the signed records refuses every
+    announce, so it still fails."""
+    deadline = time.monotonic() + timeout_s
+    while not await peer.announcer.publish_once():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(1.0)
+    return True
 
 
 def peer_value(peer_id: str, **over: Any) -> dict[str, Any]:

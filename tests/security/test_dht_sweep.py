@@ -18,7 +18,7 @@ from ravnest_p2p.client import RunClient
 from ravnest_p2p.discovery import dht_time, discovery_keys
 from ravnest_p2p.membership import DhtPlanBoard
 from ravnest_p2p.training.runner import read_job
-from tests.security._dht_attack import NAMES, Attacker, attacker, peer_value, swarm
+from tests.security._dht_attack import NAMES, Attacker, announces, attacker, peer_value, swarm
 
 
 def variants(evil: Attacker, name: str, victim_id: str) -> list[tuple[str, bytes, float, Any]]:
@@ -102,7 +102,7 @@ async def test_every_forged_or_malformed_value_under_every_run_key_is_refused(ho
         hostile.forged_accepted += len(accepted)
         # the peers still work, and readers see only the peers' own records
         for peer in peers:
-            hostile.crashes += not await peer.announcer.publish_once()
+            hostile.crashes += not await announces(peer)
         async with await RunClient.connect(peers[0].maddrs, run_id) as client:
             honest = {p.peer_id for p in peers}
             records = await client.peers()

@@ -27,7 +27,7 @@ from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics
 from ravnest_p2p.training.runner import read_job
 from ravnest_p2p.utils import wait_until
-from tests.security._dht_attack import attacker, peer_value, swarm
+from tests.security._dht_attack import announces, attacker, peer_value, swarm
 
 DIGEST = "ab" * 32
 
@@ -136,8 +136,7 @@ async def test_a_plain_value_with_a_far_expiry_replaces_nothing(hostile, tmp_pat
                 for read, expected in checks:
                     hostile.forged_accepted += await _read_until(read, expected) != expected
                 for peer in peers:
-                    ok = await peer.announcer.publish_once()
-                    hostile.state_changes += not ok
+                    hostile.state_changes += not await announces(peer)
     assert hostile.refused == hostile.sent == 2 * len(peers)
     assert hostile.forged_accepted == 0
     assert hostile.state_changes == 0
