@@ -24,7 +24,9 @@ site medians said 12.25 and 10.32, the matched levels say 5.38 and 5.71. The med
 that refines to ~1.02x (62.78) and both far ahead of the reference's own mix (67.79); this one ranks
 them reference 42.63 < 43.00 < 45.90, near the reference's cost (45.72). Measured (60 s CPU, seeds
 0-7, ratio to the reference): medians 1.098 1.049 1.013 1.037 1.081 1.021 1.006 1.025 (mean 1.041);
-matched 1.006 1.005 0.998 1.007 1.016 1.027 1.008 1.057 (mean 1.016).
+matched 1.006 1.005 0.998 1.007 1.016 1.027 1.008 1.057 (mean 1.016). Re-measured in session 16 over
+21 runs of the matched model: mean 1.05, 6 of 21 <= 1.02 (`docs/planning-placement.md`): the 8 runs
+above were a lucky draw of a time-sliced search.
 
 Mix search (`search_mixes`). Compiled Metropolis over ``counts[g, s]`` (rows sum to the replicas,
 columns to the site sizes) and a stage order, energy = estimated cost + 1 x the mean group
