@@ -62,6 +62,7 @@ MIX_SLOPE = 1.0  # the energy's weight on the mean group all-reduce (as `dtfm_ra
 MATCHED = True  # stage edges from k-matching levels (`dtfm_sites.matched_levels`); False: site medians
 DP_QUANTILE = 0.25  # the quantile of a site pair's all-reduce weights a group's mix is estimated with
 _CHUNK_S = 0.02  # CPU seconds between clock reads
+NOTE_EVERY_S = 0.5  # CPU seconds between reports of the best mix so far (`search_mixes(on_best=...)`)
 
 
 @dataclass(frozen=True)
@@ -335,10 +336,15 @@ def search_mixes(
     out_of_time: Callable[[], bool],
     hot: float = 1.0,
     cool_to: float = 1e-3,
+    on_best: Callable[[np.ndarray], None] | None = None,
 ) -> list[MixCandidate]:
     """``racers`` mix annealers (a power of two) from random mixes on one cooling schedule from ``hot`` to
     ``cool_to`` x the calibrated temperature over ``span_s`` CPU seconds, the better half going on at 1/2,
-    3/4, ... of it (`dtfm_race.race_rounds`); every annealer's best, best first."""
+    3/4, ... of it (`dtfm_race.race_rounds`); every annealer's best, best first.
+
+    ``on_best`` gets a copy of the best mix so far (``counts``) at most every `NOTE_EVERY_S` CPU seconds,
+    when it improved (the caller scores a filling of it: the search stays anytime while mixes are
+    searched)."""
     from ravnest_p2p.planning.dtfm_race import race_rounds
 
     workload = model.workload
@@ -366,6 +372,7 @@ def search_mixes(
     units = sum(length * count for _, length, count in rounds)
     alive = list(annealers)
     chunk = 2_000
+    reported, last_report = np.inf, clock()
     for lo, length, count in rounds:
         if out_of_time():
             break
@@ -386,6 +393,10 @@ def search_mixes(
             chunk = int(min(max(chunk * _CHUNK_S / max(spent, 1e-4), 200), 500_000))
             pace = spent * len(alive) / span
             done = (clock() - opened) / span
+            leader = min(annealers, key=lambda a: float(a.best[0]))
+            if on_best is not None and leader.best[0] < reported and clock() - last_report >= NOTE_EVERY_S:
+                reported, last_report = float(leader.best[0]), clock()
+                on_best(leader.best_counts.copy())
     found = [MixCandidate(float(a.best[0]), a.best_counts, a.best_order) for a in annealers]
     found.sort(key=lambda c: c.estimate)
     return found

@@ -328,17 +328,19 @@ def _anneal_search(
 
         racers: tuple[Placement, ...] = ()
         labels: np.ndarray | None = None
+        filled: list[tuple[float, Placement]] = []  # the best filling scored while mixes were searched
         if wide and config.mixes_first:
-            racers, labels = _mix_racers(model, config, rng, out_of_time, clock)
+            racers, labels = _mix_racers(model, config, rng, out_of_time, clock, note, filled)
         won = race(
             model, random_placement(model.workload, rng) if racers else best, rng,
             hot=_MIX_REFINE_START if racers else hot, cool_to=_COOL_TO, budget_s=config.cpu_budget_s,
             max_rounds=config.max_generations, out_of_time=out_of_time, note=note, clock=clock,
             started=started, racers=racers, sites=labels, same_site_share=_SAME_SITE_SHARE,
         )  # fmt: skip
-        return _result(
-            model, won.placement, won.rounds, won.proposals, initial_best, clock() - started, curve
-        )
+        final = won.placement
+        if filled and filled[0][0] < model.cost(final):
+            final = filled[0][1]
+        return _result(model, final, won.rounds, won.proposals, initial_best, clock() - started, curve)
     temperature = calibrate_temperature(state, classes, rng)
     reheat = config.reheat or (_NOISY_REHEAT if noisy else _REHEAT)
     # Networks with twins under the CPU-time schedule: a cycle whose best has not moved for a quarter of
@@ -388,18 +390,35 @@ def _mix_racers(
     rng: np.random.Generator,
     out_of_time: Callable[[], bool],
     clock: Callable[[], float],
+    note: Callable[[tuple[float, float]], None],
+    filled: list[tuple[float, Placement]],
 ) -> tuple[tuple[Placement, ...], np.ndarray | None]:
-    """Fillings of the best site mixes (`dtfm_mix`), and the site labels; none without 2-16 sites."""
+    """Fillings of the best site mixes (`dtfm_mix`), and the site labels; none without 2-16 sites.
+
+    While mixes are searched, a random filling of the best mix so far is scored exactly and noted (so
+    the best-so-far curve moves during the mix search); the best of those is kept in ``filled``. The
+    fillings draw from a generator of their own: the search's random stream is the same with or
+    without them."""
     from ravnest_p2p.planning.dtfm_mix import fill_mix, search_mixes
     from ravnest_p2p.planning.dtfm_sites import find_cities
 
     labels = find_cities(model)
     if not 2 <= int(labels.max()) + 1 <= _MAX_MIX_SITES:
         return (), None
+    side = np.random.default_rng([config.seed, 1])
+
+    def on_best(counts: np.ndarray) -> None:
+        placement = fill_mix(labels, counts, side)
+        cost = model.cost(placement)
+        if not filled or cost < filled[0][0]:
+            filled[:] = [(cost, placement)]
+        note((cost, 0.0))
+
     span = _MIX_SHARE * config.cpu_budget_s
     found = search_mixes(
-        model, labels, rng, span_s=span, racers=_MIX_ANNEALERS, clock=clock, out_of_time=out_of_time
-    )
+        model, labels, rng, span_s=span, racers=_MIX_ANNEALERS, clock=clock, out_of_time=out_of_time,
+        on_best=on_best,
+    )  # fmt: skip
     distinct = [c for k, c in enumerate(found) if k == 0 or c.estimate > found[k - 1].estimate]
     chosen = distinct[:_MIX_RACERS]
     while chosen and len(chosen) & (len(chosen) - 1):

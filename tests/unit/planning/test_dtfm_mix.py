@@ -186,3 +186,31 @@ def test_the_search_takes_the_mix_path_on_wide_groups_with_sites(monkeypatch: py
     hybrid_search(narrow, SearchConfig(cpu_budget_s=1.0, seed=2), clock=Ticks(0.05))
     assert calls == [1]
     model.check(plain.placement)
+
+
+def test_the_best_so_far_moves_while_mixes_are_searched() -> None:
+    model, _ = _site_model((20, 11, 9, 16, 8), 4, 16, 6, 0.25)
+    budget = 8.0
+    result = hybrid_search(model, SearchConfig(cpu_budget_s=budget, seed=2), clock=Ticks(0.05))
+    span = 0.25 * budget  # the mix search's share (`dtfm_search._MIX_SHARE`)
+    during = [(t, cost) for t, cost in result.curve if 0.0 < t <= span]
+    assert during, result.curve[:5]  # a filling of the best mix so far was scored and noted
+    assert min(cost for _, cost in during) < result.initial_best_cost
+    assert result.cost <= min(cost for _, cost in result.curve) + 1e-9  # nothing noted beats the answer
+    model.check(result.placement)
+    assert result.cost == pytest.approx(model.cost(result.placement), rel=1e-12)
+
+
+def test_the_mix_search_reports_valid_best_mixes() -> None:
+    model, _ = _site_model((20, 11, 9, 16, 8), 4, 16, 4, 0.25)
+    labels = find_cities(model)
+    sizes = np.bincount(labels).tolist()
+    reports: list[np.ndarray] = []
+    search_mixes(
+        model, labels, np.random.default_rng(1), span_s=3.0, racers=4, clock=Ticks(0.25),
+        out_of_time=lambda: False, on_best=reports.append,
+    )  # fmt: skip
+    assert reports
+    for counts in reports:
+        assert counts.sum(axis=1).tolist() == [16] * 4
+        assert counts.sum(axis=0).tolist() == sizes
