@@ -3,9 +3,7 @@ stores whatever it likes in its own storage and sends raw store requests straigh
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -18,6 +16,7 @@ from hivemind.utils import MSGPackSerializer
 
 from ravnest_p2p.discovery import dht_time, run_key
 from ravnest_p2p.transport import HostConfig, P2PTransport, load_or_create_identity
+from ravnest_p2p.utils import wait_until
 from tests.integration.foundation.conftest import close_all, start_swarm
 
 NAMES = ("peers", "job", "owners", "plan", "metrics", "progress", "checkpoints", "suspects")
@@ -101,16 +100,15 @@ async def swarm(n: int, run_id: str, **overrides: Any) -> AsyncIterator[list]:
 
 
 async def announces(peer: Any, timeout_s: float = 30.0) -> bool:
-    """Whether ``peer`` can still announce its record, retried under a deadline.
+    """Whether ``peer`` can still announce its record, retried under a (load-stretched) deadline.
 
     One announce can miss every replica's RPC deadline on a busy host (seen: one refusal in a full
     suite run beside other work); a forged value that displaced the signed records refuses every
     announce, so it still fails."""
-    deadline = time.monotonic() + timeout_s
-    while not await peer.announcer.publish_once():
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(1.0)
+    try:
+        await wait_until(peer.announcer.publish_once, timeout_s, interval_s=1.0, message="an announce")
+    except TimeoutError:
+        return False
     return True
 
 

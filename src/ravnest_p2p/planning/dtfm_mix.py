@@ -393,10 +393,11 @@ def search_mixes(
             chunk = int(min(max(chunk * _CHUNK_S / max(spent, 1e-4), 200), 500_000))
             pace = spent * len(alive) / span
             done = (clock() - opened) / span
-            leader = min(annealers, key=lambda a: float(a.best[0]))
-            if on_best is not None and leader.best[0] < reported and clock() - last_report >= NOTE_EVERY_S:
-                reported, last_report = float(leader.best[0]), clock()
-                on_best(leader.best_counts.copy())
+            if on_best is not None and clock() - last_report >= NOTE_EVERY_S:
+                leader = min(annealers, key=lambda a: float(a.best[0]))
+                if leader.best[0] < reported:
+                    reported, last_report = float(leader.best[0]), clock()
+                    on_best(leader.best_counts.copy())
     found = [MixCandidate(float(a.best[0]), a.best_counts, a.best_order) for a in annealers]
     found.sort(key=lambda c: c.estimate)
     return found

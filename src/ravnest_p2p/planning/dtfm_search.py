@@ -328,18 +328,16 @@ def _anneal_search(
 
         racers: tuple[Placement, ...] = ()
         labels: np.ndarray | None = None
-        filled: list[tuple[float, Placement]] = []  # the best filling scored while mixes were searched
+        filled: Placement | None = None  # the best filling scored while mixes were searched
         if wide and config.mixes_first:
-            racers, labels = _mix_racers(model, config, rng, out_of_time, clock, note, filled)
+            racers, labels, filled = _mix_racers(model, config, rng, out_of_time, clock, note)
         won = race(
             model, random_placement(model.workload, rng) if racers else best, rng,
             hot=_MIX_REFINE_START if racers else hot, cool_to=_COOL_TO, budget_s=config.cpu_budget_s,
             max_rounds=config.max_generations, out_of_time=out_of_time, note=note, clock=clock,
             started=started, racers=racers, sites=labels, same_site_share=_SAME_SITE_SHARE,
         )  # fmt: skip
-        final = won.placement
-        if filled and filled[0][0] < model.cost(final):
-            final = filled[0][1]
+        final = won.placement if filled is None else min(won.placement, filled, key=model.cost)
         return _result(model, final, won.rounds, won.proposals, initial_best, clock() - started, curve)
     temperature = calibrate_temperature(state, classes, rng)
     reheat = config.reheat or (_NOISY_REHEAT if noisy else _REHEAT)
@@ -391,12 +389,12 @@ def _mix_racers(
     out_of_time: Callable[[], bool],
     clock: Callable[[], float],
     note: Callable[[tuple[float, float]], None],
-    filled: list[tuple[float, Placement]],
-) -> tuple[tuple[Placement, ...], np.ndarray | None]:
-    """Fillings of the best site mixes (`dtfm_mix`), and the site labels; none without 2-16 sites.
+) -> tuple[tuple[Placement, ...], np.ndarray | None, Placement | None]:
+    """Fillings of the best site mixes (`dtfm_mix`), the site labels, and the best filling scored on the
+    way; none without 2-16 sites.
 
     While mixes are searched, a random filling of the best mix so far is scored exactly and noted (so
-    the best-so-far curve moves during the mix search); the best of those is kept in ``filled``. The
+    the best-so-far curve moves during the mix search); the cheapest of those is returned. The
     fillings draw from a generator of their own: the search's random stream is the same with or
     without them."""
     from ravnest_p2p.planning.dtfm_mix import fill_mix, search_mixes
@@ -404,8 +402,9 @@ def _mix_racers(
 
     labels = find_cities(model)
     if not 2 <= int(labels.max()) + 1 <= _MAX_MIX_SITES:
-        return (), None
+        return (), None, None
     side = np.random.default_rng([config.seed, 1])
+    filled: list[tuple[float, Placement]] = []
 
     def on_best(counts: np.ndarray) -> None:
         placement = fill_mix(labels, counts, side)
@@ -423,7 +422,7 @@ def _mix_racers(
     chosen = distinct[:_MIX_RACERS]
     while chosen and len(chosen) & (len(chosen) - 1):
         chosen.pop()
-    return tuple(fill_mix(labels, c.counts, rng) for c in chosen), labels
+    return tuple(fill_mix(labels, c.counts, rng) for c in chosen), labels, (filled[0][1] if filled else None)
 
 
 def _schedule(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 import pytest
 
@@ -15,6 +14,7 @@ from ravnest_p2p.node import EmulationConfig, Peer, PeerConfig
 from ravnest_p2p.runtime.optim import OptimizerConfig
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import StageMetrics
+from ravnest_p2p.utils import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,13 +64,18 @@ async def test_job_without_assignment_trains_on_the_agreed_plan():
             )
             await client.publish_job(job)
             final = await client.wait_for_job(job, timeout_s=180, poll_s=0.5)
+
             # the job is done once one cluster's first stage is; another cluster may still be finishing
             # its last steps (seen on a busy host: a first stage's metrics short of done when the
             # progress record said done), so its final metrics are read again under a deadline
-            deadline = time.monotonic() + 60
-            while not _firsts_done(final, job.max_steps) and time.monotonic() < deadline:
-                await asyncio.sleep(0.5)
-                final = newest_epoch(await client.metrics(job_id=job.job_id))
+            async def settled() -> bool:
+                nonlocal final
+                if not _firsts_done(final, job.max_steps):
+                    final = newest_epoch(await client.metrics(job_id=job.job_id))
+                return _firsts_done(final, job.max_steps)
+
+            with contextlib.suppress(TimeoutError):  # the assertions below say what is missing
+                await wait_until(settled, 60, interval_s=0.5, message="every first stage done")
         # every peer that trained did so on a plan made for this job (a peer still re-agreeing after a
         # split vote may lag behind; it is not part of what ran)
         trainers = {m.peer_id for m in final}
