@@ -37,6 +37,19 @@ is incremental (changed groups, their edges). Several annealers from random mixe
 schedule (from the temperature that accepts the median uphill move half the time to 1/1000 of it) and
 are halved at 1/2, 3/4, ... of it, as in `dtfm_race`.
 
+Session 17. (1) Edges go through a direct-mapped memo keyed by the two mixes (`_memo_edge`, shared by
+the racers of one search; exact: the stored value is what `_mix_edge` returns): a proposal cost ~6 us
+of max flows, and the cooler half of the schedule revisits the same mix pairs, so the search makes
+~170k proposals per CPU second hot, 0.4-2.5 M cool (`hard-8x16-s0`). (2) A tie-break: the searched
+score adds `CROSS_WEIGHT` (0.03 s) per replica an edge must carry across sites (`_crossings`). The
+estimate cannot tell near-twin mixes apart (the search's 40.78 mix and the 40.83 one differ by four
+devices), but their fillings refine differently: 45 CPU-s, one filling cooled to 0.005x, the 40.83
+mix (19 crossings along the path) 1.0044 0.9998 1.0030 1.0046 of the reference, the 40.78 one (25
+crossings: a run of groups whose cities alternate) 1.0345 1.0372 1.0144 1.0347 1.0015 1.0228. With
+the tie-break the search ends on the 40.83 mix whenever it reaches that basin. Hit rate of that basin
+(15 s, 8 seeds each): 8 racers 6 of 8, 16 racers 5 of 8, 32 racers 2 of 8; 4 racers 4 of 12 (the
+default was 4 racers: 8 now, `dtfm_search._MIX_ANNEALERS`).
+
 What it reaches (session 15, `docs/planning-placement.md`): on the 8x16 hard case the estimate ranks
 the reference's mixes near the top, and a 15 s mix search ends at the best estimate seen in about a
 third of the runs; the mix search is a lottery of its own, and so is the device refine after it.
@@ -62,16 +75,22 @@ MIX_SLOPE = 1.0  # the energy's weight on the mean group all-reduce (as `dtfm_ra
 MATCHED = True  # stage edges from k-matching levels (`dtfm_sites.matched_levels`); False: site medians
 DP_QUANTILE = 0.25  # the quantile of a site pair's all-reduce weights a group's mix is estimated with
 _CHUNK_S = 0.02  # CPU seconds between clock reads
+MEMO_SLOTS = 1 << 17  # slots of the stage-edge memo of a mix search (`_memo_edge`; a power of two)
+CROSS_WEIGHT = (
+    0.03  # s per replica an edge carries across sites, added to the searched estimate (a tie-break)
+)
 NOTE_EVERY_S = 0.5  # CPU seconds between reports of the best mix so far (`search_mixes(on_best=...)`)
 
 
 @dataclass(frozen=True)
 class MixCandidate:
-    """A mix (``counts[g, s]``: devices of site ``s`` in group ``g``), a stage order, its estimate."""
+    """A mix (``counts[g, s]``: devices of site ``s`` in group ``g``), a stage order, its estimate, and the
+    score the search ranked it by (the estimate + `CROSS_WEIGHT` x its edges' `_crossings`)."""
 
     estimate: float
     counts: np.ndarray
     order: np.ndarray
+    score: float
 
 
 @njit(cache=True)
@@ -168,15 +187,61 @@ def _mix_edge(a: np.ndarray, b: np.ndarray, pairs: np.ndarray, levels: np.ndarra
 
 
 @njit(cache=True)
-def _estimate(
-    counts: np.ndarray, order: np.ndarray, dp: np.ndarray, pairs: np.ndarray, levels: np.ndarray
+def _crossings(a: np.ndarray, b: np.ndarray) -> int:
+    """Replicas an edge from mix ``a`` to mix ``b`` must carry across sites (the rest stay in one)."""
+    same = 0
+    for s in range(a.shape[0]):
+        same += min(a[s], b[s])
+    return a.sum() - same
+
+
+@njit(cache=True)
+def _memo_edge(
+    a: np.ndarray,
+    b: np.ndarray,
+    pairs: np.ndarray,
+    levels: np.ndarray,
+    cross: float,
+    keys: np.ndarray,
+    values: np.ndarray,
 ) -> float:
+    """`_mix_edge` + ``cross`` x `_crossings` through a direct-mapped memo (``keys[slot]`` = the two
+    mixes, ``values[slot]`` their edge, negative when empty; the slot count a power of two): computed
+    once per mix pair while it stays in its slot."""
+    sites = a.shape[0]
+    code = np.uint64(14695981039346656037)
+    for s in range(sites):
+        code = (code ^ np.uint64(a[s])) * np.uint64(1099511628211)
+    for s in range(sites):
+        code = (code ^ np.uint64(b[s] + 65536)) * np.uint64(1099511628211)
+    slot = np.int64(code >> np.uint64(20)) & (values.shape[0] - 1)
+    if values[slot] >= 0.0:
+        same = True
+        for s in range(sites):
+            if keys[slot, s] != a[s] or keys[slot, sites + s] != b[s]:
+                same = False
+                break
+        if same:
+            return values[slot]
+    value = _mix_edge(a, b, pairs, levels) + cross * _crossings(a, b)
+    keys[slot, :sites] = a
+    keys[slot, sites:] = b
+    values[slot] = value
+    return value
+
+
+@njit(cache=True)
+def _estimate(
+    counts: np.ndarray, order: np.ndarray, dp: np.ndarray, pairs: np.ndarray, levels: np.ndarray, cross: float
+) -> float:
+    """The estimate (+ ``cross`` x the crossings of its edges: the search's tie-break)."""
     top = 0.0
     for g in range(counts.shape[0]):
         top = max(top, _mix_dp(counts[g], dp))
     path = 0.0
     for i in range(order.shape[0] - 1):
-        path += _mix_edge(counts[order[i]], counts[order[i + 1]], pairs, levels)
+        a, b = counts[order[i]], counts[order[i + 1]]
+        path += _mix_edge(a, b, pairs, levels) + cross * _crossings(a, b)
     return top + path
 
 
@@ -230,10 +295,14 @@ def _anneal(
     best_counts: np.ndarray,
     best_order: np.ndarray,
     deltas: np.ndarray,
+    cross: float,
+    keys: np.ndarray,
+    values: np.ndarray,
 ) -> None:
     """``steps`` proposals cooling from ``t_start`` to ``t_end``; ``best[0]`` and the best layout are
     updated in place. With ``deltas`` non-empty, nothing is applied: it receives the energy deltas of
-    that many proposals (to calibrate a temperature)."""
+    that many proposals (to calibrate a temperature). Edges go through the memo ``keys``/``values``
+    (`_memo_edge`), shared by every annealer of a search."""
     stages = counts.shape[0]
     group_dp = np.empty(stages)
     for g in range(stages):
@@ -242,7 +311,7 @@ def _anneal(
     path = 0.0
     for i in range(stages - 1):
         g, h = order[i], order[i + 1]
-        edges[g, h] = edges[h, g] = _mix_edge(counts[g], counts[h], pairs, levels)
+        edges[g, h] = edges[h, g] = _memo_edge(counts[g], counts[h], pairs, levels, cross, keys, values)
         path += edges[g, h]
     energy = group_dp.max() + path + MIX_SLOPE * group_dp.mean()
     trial, trial_order = counts.copy(), order.copy()
@@ -265,7 +334,7 @@ def _anneal(
         for i in range(stages - 1):
             g, h = trial_order[i], trial_order[i + 1]
             if changed[g] or changed[h] or edges[g, h] < 0.0:
-                trial_edges[i] = _mix_edge(trial[g], trial[h], pairs, levels)
+                trial_edges[i] = _memo_edge(trial[g], trial[h], pairs, levels, cross, keys, values)
             else:
                 trial_edges[i] = edges[g, h]
             trial_path += trial_edges[i]
@@ -301,7 +370,7 @@ def mix_estimate(model: CostModel, labels: np.ndarray, placement: Placement, ord
     dp, pairs, levels = site_model(model, labels)
     sites = dp.shape[0]
     counts = np.array([np.bincount(labels[list(g)], minlength=sites) for g in placement], dtype=np.int64)
-    return float(_estimate(counts, np.asarray(order, dtype=np.int64), dp, pairs, levels))
+    return float(_estimate(counts, np.asarray(order, dtype=np.int64), dp, pairs, levels, 0.0))
 
 
 def site_model(model: CostModel, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -351,19 +420,21 @@ def search_mixes(
     stages = workload.num_stages
     dp, pairs, levels = site_model(model, labels)
     sites = dp.shape[0]
+    keys, values = np.zeros((MEMO_SLOTS, 2 * sites), np.int32), np.full(MEMO_SLOTS, -1.0)
+    cross = CROSS_WEIGHT
     _seed(int(rng.integers(2**31)))
     annealers = []
     for _ in range(racers):
         start = random_placement(workload, rng)
         counts = np.array([np.bincount(labels[list(g)], minlength=sites) for g in start], dtype=np.int64)
         order = np.arange(stages, dtype=np.int64)
-        best = np.array([_estimate(counts, order, dp, pairs, levels)])
+        best = np.array([_estimate(counts, order, dp, pairs, levels, cross)])
         annealers.append(_MixAnnealer(counts, order, best, counts.copy(), order.copy()))
     first_one = annealers[0]
     deltas = np.empty(300)
     _anneal(
         first_one.counts, first_one.order, dp, pairs, levels, 0, 1.0, 1.0, first_one.best,
-        first_one.best_counts, first_one.best_order, deltas,
+        first_one.best_counts, first_one.best_order, deltas, cross, keys, values,
     )  # fmt: skip
     uphill = deltas[deltas > 0]
     first = hot * (float(np.median(uphill)) / math.log(2.0) if len(uphill) else 1e-3 * first_one.best[0])
@@ -387,7 +458,7 @@ def search_mixes(
             for a in alive:
                 _anneal(
                     a.counts, a.order, dp, pairs, levels, chunk, t_from, t_to, a.best, a.best_counts,
-                    a.best_order, np.empty(0),
+                    a.best_order, np.empty(0), cross, keys, values,
                 )  # fmt: skip
             spent = (clock() - tick) / len(alive)
             chunk = int(min(max(chunk * _CHUNK_S / max(spent, 1e-4), 200), 500_000))
@@ -398,8 +469,11 @@ def search_mixes(
                 if leader.best[0] < reported:
                     reported, last_report = float(leader.best[0]), clock()
                     on_best(leader.best_counts.copy())
-    found = [MixCandidate(float(a.best[0]), a.best_counts, a.best_order) for a in annealers]
-    found.sort(key=lambda c: c.estimate)
+    found = []
+    for a in annealers:
+        estimate = float(_estimate(a.best_counts, a.best_order, dp, pairs, levels, 0.0))
+        found.append(MixCandidate(estimate, a.best_counts, a.best_order, float(a.best[0])))
+    found.sort(key=lambda c: c.score)
     return found
 
 

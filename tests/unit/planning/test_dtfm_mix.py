@@ -11,7 +11,14 @@ from benchmarks.placement_cases import make_case
 from ravnest_p2p.planning import CostModel, SearchConfig, Workload, dtfm_mix, hybrid_search, random_placement
 from ravnest_p2p.planning.dtfm import bottleneck_matching
 from ravnest_p2p.planning.dtfm_kernel import KernelState, seed
-from ravnest_p2p.planning.dtfm_mix import _mix_edge, fill_mix, mix_estimate, search_mixes
+from ravnest_p2p.planning.dtfm_mix import (
+    _crossings,
+    _memo_edge,
+    _mix_edge,
+    fill_mix,
+    mix_estimate,
+    search_mixes,
+)
 from ravnest_p2p.planning.dtfm_sites import _k_levels, find_cities, matched_levels, site_matrices
 from tests.unit.planning.helpers import Ticks
 
@@ -70,6 +77,32 @@ def test_a_mix_edge_is_the_bottleneck_matching_of_its_expanded_sites(trial: int)
     expanded = pp[np.ix_(np.repeat(np.arange(sites), a), np.repeat(np.arange(sites), b))]
     unlimited = np.repeat(pp[:, :, None], replicas, axis=2)  # every site pair: as many pairs as needed
     assert _mix_edge(a, b, unlimited, np.unique(pp)) == bottleneck_matching(expanded)[0]
+
+
+def test_crossings_count_the_replicas_an_edge_takes_out_of_their_site() -> None:
+    a, b = np.array([3, 0, 5, 0]), np.array([1, 2, 5, 0])
+    assert _crossings(a, b) == _crossings(b, a) == 2  # 2 of site 0 meet site 1; the rest stay in a site
+    assert _crossings(a, a) == 0
+    assert _crossings(np.array([8, 0]), np.array([0, 8])) == 8
+
+
+def test_the_edge_memo_returns_what_it_would_compute_through_evictions() -> None:
+    model, _ = _site_model((9, 7, 12, 4), 4, 8, 3, 0.3)
+    labels = find_cities(model)
+    pairs = matched_levels(model, labels, 8)
+    levels = np.unique(pairs[np.isfinite(pairs)])
+    rng = np.random.default_rng(5)
+    mixes = [
+        np.bincount(labels[list(g)], minlength=4)
+        for _ in range(6)
+        for g in random_placement(model.workload, rng)
+    ]
+    keys, values = np.zeros((4, 8), np.int32), np.full(4, -1.0)  # 4 slots for 24 mixes: slots are reused
+    for _ in range(3):
+        for a, b in itertools.product(mixes[:8], mixes[8:16]):
+            expected = _mix_edge(a, b, pairs, levels) + 0.5 * _crossings(a, b)
+            assert _memo_edge(a, b, pairs, levels, 0.5, keys, values) == expected
+    assert (values >= 0).all()  # every slot holds an edge now
 
 
 @pytest.mark.parametrize("trial", range(30))
@@ -133,7 +166,7 @@ def test_the_mix_search_keeps_every_site_and_replica_and_reports_its_estimates()
         model, labels, np.random.default_rng(1), span_s=3.0, racers=4, clock=clock, out_of_time=lambda: False
     )
     assert len(found) == 4
-    assert [c.estimate for c in found] == sorted(c.estimate for c in found)
+    assert [c.score for c in found] == sorted(c.score for c in found)  # ranked by the tie-broken score
     sizes = np.bincount(labels)
     dp, pp = site_matrices(model, labels)
     for candidate in found:
@@ -145,6 +178,9 @@ def test_the_mix_search_keeps_every_site_and_replica_and_reports_its_estimates()
         assert (filled == candidate.counts).all()
         estimate = mix_estimate(model, labels, placement, tuple(candidate.order.tolist()))
         assert estimate == pytest.approx(candidate.estimate, rel=1e-12)
+        path = candidate.counts[candidate.order]
+        crossings = sum(_crossings(a, b) for a, b in itertools.pairwise(path))
+        assert candidate.score == pytest.approx(estimate + dtfm_mix.CROSS_WEIGHT * crossings, rel=1e-12)
     assert dp.shape == pp.shape == (len(sizes), len(sizes))
     start = random_placement(model.workload, np.random.default_rng(3))
     assert found[0].estimate < mix_estimate(model, labels, start, (0, 1, 2, 3))
