@@ -31,8 +31,9 @@ many from the measured pace). ``SearchConfig(compiled=False)`` keeps the Python 
 restart cycles below do not apply to the compiled search. Results in `docs/planning-placement.md`.
 With 16 or more replicas per stage and 2-16 sites found in the matrix (`dtfm_sites.find_cities`), the
 compiled search first spends a quarter of the budget on the groups' site *mixes* (`dtfm_mix`), then
-races fillings of the two best mixes from 0.05x the calibrated temperature with half of the swaps
-inside a site (session 15: the mix decides the basin on wide groups; ``mixes_first=False`` skips it).
+anneals a filling of the best mix from 0.05x to 0.005x the calibrated temperature with half of the
+swaps inside a site (session 15: the mix decides the basin on wide groups; session 17: one filling,
+not two racing; ``mixes_first=False`` skips it).
 
 Noisy networks (no twins) with the CPU-time schedule get a schedule of their own: the old curves (8x8,
 60 s) spent the first third of the hot cycle at temperatures where the best-so-far did not move (a
