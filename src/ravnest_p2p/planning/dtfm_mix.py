@@ -70,6 +70,7 @@ from ravnest_p2p.planning.dtfm_sites import matched_levels, site_matrices
 __all__ = ["MixCandidate", "fill_mix", "mix_estimate", "search_mixes", "site_model"]
 
 ORDER_SHARE = 0.15  # share of mix proposals that reverse a stretch of the stage order
+BOUNDARY_SHARE = 0.05  # share of mix proposals that move a run boundary (`_boundary`)
 LANE_SHARE = 0.5  # share of mix proposals that trade a lane through a stretch of groups
 MIX_SLOPE = 1.0  # the energy's weight on the mean group all-reduce (as `dtfm_race.DP_SLOPE`)
 MATCHED = True  # stage edges from k-matching levels (`dtfm_sites.matched_levels`); False: site medians
@@ -246,6 +247,66 @@ def _estimate(
 
 
 @njit(cache=True)
+def _boundary(counts: np.ndarray, order: np.ndarray, trial: np.ndarray, changed: np.ndarray) -> bool:
+    """Move a run boundary: of two neighbours in the order, one takes the other's mix, and what it gave
+    up is traded back into the groups on its own side, nearest first, one unit per group in turn (a
+    unit of a site it had for one of a site it took, Tokyo-like fillers included). A run then spreads
+    its cities over one group less and the neighbouring run over one more: what no chain of unit moves
+    does without climbing (session 17)."""
+    stages, sites = counts.shape
+    i = np.random.randint(0, stages - 1)
+    if np.random.random() < 0.5:
+        g, h, first, stop, step = order[i], order[i + 1], i - 1, -1, -1
+    else:
+        g, h, first, stop, step = order[i + 1], order[i], i + 2, stages, 1
+    excess = counts[g] - counts[h]
+    units = 0
+    for s in range(sites):
+        units += max(excess[s], 0)
+    if units == 0:
+        return False
+    trial[g, :] = counts[h]
+    changed[g] = True
+    gave = np.empty(units, np.int64)  # sites g gave up (to place), sites it took (to take back)
+    took = np.empty(units, np.int64)
+    a = b = 0
+    for s in range(sites):
+        for _ in range(max(excess[s], 0)):
+            gave[a] = s
+            a += 1
+        for _ in range(max(-excess[s], 0)):
+            took[b] = s
+            b += 1
+    side = np.empty(stages, np.int64)
+    width = 0
+    k = first
+    while k != stop:
+        side[width] = order[k]
+        width += 1
+        k += step
+    cursor = 0
+    for u in range(units):
+        s, t = gave[u], took[u]
+        target = -1
+        for tries in range(width):
+            q = side[(cursor + tries) % width]
+            if trial[q, t] > 0:
+                target, cursor = q, (cursor + tries + 1) % width
+                break
+        if target < 0:  # nobody on that side holds the site: the first group anywhere that does
+            for q in range(stages):
+                if q != g and trial[q, t] > 0:
+                    target = q
+                    break
+        if target < 0:
+            return False
+        trial[target, t] -= 1
+        trial[target, s] += 1
+        changed[target] = True
+    return True
+
+
+@njit(cache=True)
 def _propose(
     counts: np.ndarray, order: np.ndarray, trial: np.ndarray, trial_order: np.ndarray, changed: np.ndarray
 ) -> bool:
@@ -253,6 +314,8 @@ def _propose(
     trial[:, :] = counts
     trial_order[:] = order
     changed[:] = False
+    if np.random.random() < BOUNDARY_SHARE:
+        return _boundary(counts, order, trial, changed)
     draw = np.random.random()
     if draw < ORDER_SHARE:
         lo, hi = np.random.randint(0, stages), np.random.randint(0, stages)

@@ -12,9 +12,11 @@ from ravnest_p2p.planning import CostModel, SearchConfig, Workload, dtfm_mix, hy
 from ravnest_p2p.planning.dtfm import bottleneck_matching
 from ravnest_p2p.planning.dtfm_kernel import KernelState, seed
 from ravnest_p2p.planning.dtfm_mix import (
+    _boundary,
     _crossings,
     _memo_edge,
     _mix_edge,
+    _seed,
     fill_mix,
     mix_estimate,
     search_mixes,
@@ -84,6 +86,36 @@ def test_crossings_count_the_replicas_an_edge_takes_out_of_their_site() -> None:
     assert _crossings(a, b) == _crossings(b, a) == 2  # 2 of site 0 meet site 1; the rest stay in a site
     assert _crossings(a, a) == 0
     assert _crossings(np.array([8, 0]), np.array([0, 8])) == 8
+
+
+def test_a_boundary_move_gives_a_group_its_neighbours_mix_and_keeps_every_site_and_replica() -> None:
+    model, _ = _site_model((20, 11, 9, 16, 8), 4, 16, 4, 0.25)
+    labels = find_cities(model)
+    sizes = np.bincount(labels).tolist()
+    rng = np.random.default_rng(7)
+    _seed(3)
+    moved = 0
+    for _ in range(200):
+        placement = random_placement(model.workload, rng)
+        counts = np.array(
+            [np.bincount(labels[list(g)], minlength=len(sizes)) for g in placement], dtype=np.int64
+        )
+        order = rng.permutation(4).astype(np.int64)
+        trial, changed = counts.copy(), np.zeros(4, np.bool_)
+        if not _boundary(counts, order, trial, changed):
+            continue
+        moved += 1
+        assert trial.min() >= 0
+        assert trial.sum(axis=1).tolist() == [16] * 4
+        assert trial.sum(axis=0).tolist() == sizes
+        neighbours = [(order[i], order[i + 1]) for i in range(3)]
+        assert any(
+            (trial[g] == counts[h]).all() and changed[g] for a, b in neighbours for g, h in ((a, b), (b, a))
+        )
+        assert sorted(np.flatnonzero((trial != counts).any(axis=1)).tolist()) <= sorted(
+            np.flatnonzero(changed)
+        )
+    assert moved > 100
 
 
 def test_the_edge_memo_returns_what_it_would_compute_through_evictions() -> None:
