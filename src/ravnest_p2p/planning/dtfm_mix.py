@@ -49,6 +49,12 @@ crossings: a run of groups whose cities alternate) 1.0345 1.0372 1.0144 1.0347 1
 the tie-break the search ends on the 40.83 mix whenever it reaches that basin. Hit rate of that basin
 (15 s, 8 seeds each): 8 racers 6 of 8, 16 racers 5 of 8, 32 racers 2 of 8; 4 racers 4 of 12 (the
 default was 4 racers: 8 now, `dtfm_search._MIX_ANNEALERS`).
+(3) A run-boundary move (`_boundary`, `BOUNDARY_SHARE` of the proposals): the misses that were left
+were other run structures (Frankfurt through 3 groups and Oregon + London + Ireland through 4,
+against 4 and 3), which no chain of unit or lane moves connects without climbing. The move gives a
+group its neighbour's mix and trades what it gave up back into the groups on its own side, nearest
+first. 15 s, 8 racers: the good basin in 12 of 16 runs (control, same code without it, 4 of 8); full
+60 s searches reached it in 11 of 12 (numbers in `docs/planning-placement.md`).
 
 What it reaches (session 15, `docs/planning-placement.md`): on the 8x16 hard case the estimate ranks
 the reference's mixes near the top, and a 15 s mix search ends at the best estimate seen in about a
