@@ -83,9 +83,7 @@ MATCHED = True  # stage edges from k-matching levels (`dtfm_sites.matched_levels
 DP_QUANTILE = 0.25  # the quantile of a site pair's all-reduce weights a group's mix is estimated with
 _CHUNK_S = 0.02  # CPU seconds between clock reads
 MEMO_SLOTS = 1 << 17  # slots of the stage-edge memo of a mix search (`_memo_edge`; a power of two)
-CROSS_WEIGHT = (
-    0.03  # s per replica an edge carries across sites, added to the searched estimate (a tie-break)
-)
+CROSS_WEIGHT = 0.03  # s per replica an edge carries across sites, in the searched score (a tie-break)
 NOTE_EVERY_S = 0.5  # CPU seconds between reports of the best mix so far (`search_mixes(on_best=...)`)
 
 
@@ -203,6 +201,12 @@ def _crossings(a: np.ndarray, b: np.ndarray) -> int:
 
 
 @njit(cache=True)
+def _scored_edge(a: np.ndarray, b: np.ndarray, pairs: np.ndarray, levels: np.ndarray, cross: float) -> float:
+    """`_mix_edge` + ``cross`` x `_crossings`: an edge as the search scores it."""
+    return _mix_edge(a, b, pairs, levels) + cross * _crossings(a, b)
+
+
+@njit(cache=True)
 def _memo_edge(
     a: np.ndarray,
     b: np.ndarray,
@@ -230,7 +234,7 @@ def _memo_edge(
                 break
         if same:
             return values[slot]
-    value = _mix_edge(a, b, pairs, levels) + cross * _crossings(a, b)
+    value = _scored_edge(a, b, pairs, levels, cross)
     keys[slot, :sites] = a
     keys[slot, sites:] = b
     values[slot] = value
@@ -247,8 +251,7 @@ def _estimate(
         top = max(top, _mix_dp(counts[g], dp))
     path = 0.0
     for i in range(order.shape[0] - 1):
-        a, b = counts[order[i]], counts[order[i + 1]]
-        path += _mix_edge(a, b, pairs, levels) + cross * _crossings(a, b)
+        path += _scored_edge(counts[order[i]], counts[order[i + 1]], pairs, levels, cross)
     return top + path
 
 
@@ -490,20 +493,19 @@ def search_mixes(
     dp, pairs, levels = site_model(model, labels)
     sites = dp.shape[0]
     keys, values = np.zeros((MEMO_SLOTS, 2 * sites), np.int32), np.full(MEMO_SLOTS, -1.0)
-    cross = CROSS_WEIGHT
     _seed(int(rng.integers(2**31)))
     annealers = []
     for _ in range(racers):
         start = random_placement(workload, rng)
         counts = np.array([np.bincount(labels[list(g)], minlength=sites) for g in start], dtype=np.int64)
         order = np.arange(stages, dtype=np.int64)
-        best = np.array([_estimate(counts, order, dp, pairs, levels, cross)])
+        best = np.array([_estimate(counts, order, dp, pairs, levels, CROSS_WEIGHT)])
         annealers.append(_MixAnnealer(counts, order, best, counts.copy(), order.copy()))
     first_one = annealers[0]
     deltas = np.empty(300)
     _anneal(
         first_one.counts, first_one.order, dp, pairs, levels, 0, 1.0, 1.0, first_one.best,
-        first_one.best_counts, first_one.best_order, deltas, cross, keys, values,
+        first_one.best_counts, first_one.best_order, deltas, CROSS_WEIGHT, keys, values,
     )  # fmt: skip
     uphill = deltas[deltas > 0]
     first = hot * (float(np.median(uphill)) / math.log(2.0) if len(uphill) else 1e-3 * first_one.best[0])
@@ -527,7 +529,7 @@ def search_mixes(
             for a in alive:
                 _anneal(
                     a.counts, a.order, dp, pairs, levels, chunk, t_from, t_to, a.best, a.best_counts,
-                    a.best_order, np.empty(0), cross, keys, values,
+                    a.best_order, np.empty(0), CROSS_WEIGHT, keys, values,
                 )  # fmt: skip
             spent = (clock() - tick) / len(alive)
             chunk = int(min(max(chunk * _CHUNK_S / max(spent, 1e-4), 200), 500_000))
