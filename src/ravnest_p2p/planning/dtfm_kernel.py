@@ -368,6 +368,11 @@ class KernelState:
     def best_placement(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(sorted(int(d) for d in row)) for row in self.best_members)
 
+    def set_slope(self, dp_slope: float) -> None:
+        """The energy's weight on the mean group all-reduce from the next proposal on (the tracked cost and
+        best are costs, not energies, so they stay valid)."""
+        self.state[2] = dp_slope
+
     def run(self, steps: int, t_start: float, t_end: float, order_share: float) -> None:
         """``steps`` proposals cooling geometrically from ``t_start`` to ``t_end``."""
         _run(

@@ -25,7 +25,8 @@ Noisy networks (no twins) under the CPU-time schedule (the default) are searched
 annealers (`dtfm_kernel`, session 13): the same Metropolis search, but over the placement *and* a
 stage order together (swaps scored along the current order, 10% of the proposals reverse or move
 groups of the order), at ~1-2 us per proposal instead of the Python annealer's 160-190 us (below),
-with a slope of 1x the mean group all-reduce cost in the acceptance (`dtfm_kernel`). Several
+with a slope on the mean group all-reduce cost in the acceptance (`dtfm_kernel`) that falls from 2x
+to 0.5x over the cooling (session 18; 1x throughout for the refine of a mix, below). Several
 annealers race on one cooling schedule and are halved at 1/2, 3/4, ... of it (`dtfm_race`; how
 many from the measured pace). ``SearchConfig(compiled=False)`` keeps the Python annealer; its
 restart cycles below do not apply to the compiled search. Results in `docs/planning-placement.md`.
@@ -157,6 +158,7 @@ _MIX_ANNEALERS = 8
 _MIX_RACERS = 1
 _MIX_REFINE_START = 0.05
 _MIX_REFINE_COOL = 0.005
+_MIX_REFINE_SLOPE = 1.0  # constant: the plain race's falling slope (`dtfm_race`) was measured without mixes
 _SAME_SITE_SHARE = 0.5
 _MAX_MIX_SITES = 16
 _NOISY_FIRST_SHARE = 0.8
@@ -341,6 +343,7 @@ def _anneal_search(
             budget_s=config.cpu_budget_s, max_rounds=config.max_generations, out_of_time=out_of_time,
             note=note, clock=clock, started=started, racers=racers, sites=labels,
             same_site_share=_SAME_SITE_SHARE,
+            slope=(_MIX_REFINE_SLOPE, _MIX_REFINE_SLOPE) if racers else None,
         )  # fmt: skip
         final = won.placement if filled is None else min(won.placement, filled, key=model.cost)
         return _result(model, final, won.rounds, won.proposals, initial_best, clock() - started, curve)

@@ -7,11 +7,11 @@ import itertools
 import numpy as np
 import pytest
 
-from ravnest_p2p.planning import CostModel, SearchConfig, hybrid_search, random_placement
+from ravnest_p2p.planning import CostModel, SearchConfig, dtfm_race, hybrid_search, random_placement
 from ravnest_p2p.planning.dtfm import bottleneck_matching
 from ravnest_p2p.planning.dtfm_bottleneck import bottleneck
 from ravnest_p2p.planning.dtfm_kernel import KernelState, seed
-from ravnest_p2p.planning.dtfm_race import race_rounds, racer_count
+from ravnest_p2p.planning.dtfm_race import race_rounds, racer_count, slope_at
 from tests.unit.planning.helpers import Ticks
 from tests.unit.planning.helpers import noisy_dtfm_model as _noisy_model
 
@@ -131,3 +131,51 @@ def test_racers_leave_each_surviving_annealer_its_share_of_proposals() -> None:
     assert racer_count(52e6, 128) == 4
     assert racer_count(28e6, 128) == 2
     assert racer_count(1e3, 128) == 1
+
+
+def test_the_slope_falls_geometrically_from_hot_to_cool() -> None:
+    assert slope_at(0.0, 2.0, 0.5) == pytest.approx(2.0)
+    assert slope_at(1.0, 2.0, 0.5) == pytest.approx(0.5)
+    assert slope_at(0.5, 2.0, 0.5) == pytest.approx(1.0)  # the geometric mean
+    values = [slope_at(k / 10, 2.0, 0.5) for k in range(11)]
+    assert all(b < a for a, b in itertools.pairwise(values))
+    assert slope_at(0.3, 1.0, 1.0) == 1.0
+    assert slope_at(0.25, 1.0, 0.0) == pytest.approx(0.75)  # no geometric path to 0: linear
+
+
+def test_a_slope_changed_between_runs_steers_acceptance_and_keeps_the_cost_true() -> None:
+    model = _noisy_model(7, 5, 4)
+    start = random_placement(model.workload, np.random.default_rng(3))
+    state = KernelState(model.pp_weights, model.dp_weights, start, tuple(range(5)), dp_slope=2.0)
+    seed(9)
+    steep = state.swap_deltas(300)
+    state.set_slope(0.0)
+    seed(9)
+    flat = state.swap_deltas(300)  # the same swaps (same seed, nothing applied), priced without the slope
+    assert not np.allclose(steep, flat)
+    seed(4)
+    for slope in (2.0, 1.0, 0.5):
+        state.set_slope(slope)
+        state.run(500, 0.05, 0.01, 0.1)
+        assert state.cost == pytest.approx(_cost_along(model, state.members, state.order), rel=1e-9)
+        assert state.best_cost == pytest.approx(
+            _cost_along(model, state.best_members, state.best_order), rel=1e-9
+        )
+
+
+def test_the_race_lowers_its_slope_from_hot_to_cool_over_the_cooling(monkeypatch: pytest.MonkeyPatch) -> None:
+    slopes: list[float] = []
+    original = KernelState.set_slope
+
+    def spy(self: KernelState, dp_slope: float) -> None:
+        slopes.append(dp_slope)
+        original(self, dp_slope)
+
+    monkeypatch.setattr(KernelState, "set_slope", spy)
+    hybrid_search(_noisy_model(5, 6, 4), SearchConfig(cpu_budget_s=2.0, seed=2), clock=Ticks(0.02))
+    hot, cool = dtfm_race.DP_SLOPE, dtfm_race.DP_SLOPE * dtfm_race.SLOPE_END
+    assert hot > cool
+    assert len(slopes) > 10
+    assert slopes[0] == pytest.approx(hot, rel=0.05)
+    assert all(b <= a + 1e-12 for a, b in itertools.pairwise(slopes))
+    assert cool <= slopes[-1] < slope_at(0.5, hot, cool)  # past half of the cooling when the budget ends
