@@ -24,7 +24,9 @@ Moves (Metropolis at the caller's temperature):
 * **swap** two devices of different groups: new row sums of the two groups (``O(D_DP)`` each), their
   all-reduce costs, and the <= 4 edges of the current order that touch them (bottleneck matchings);
   every changed edge first at its lower bound (most cool proposals are rejected there, before any
-  matching), then solved one by one, rejected as soon as the energy passes the acceptance threshold.
+  matching, and as soon as the bounds so far pass the acceptance threshold: session 18, ~30% less CPU
+  per cool proposal on 8x8, same decisions), then solved one by one, rejected as soon as the energy
+  passes the threshold. The proposal's scratch arrays are allocated once per state, not per proposal.
 * **reverse** a stretch of the order (2-opt on an open path: <= 2 edges change);
 * **relocate** one group to another position (Or-opt of one: <= 3 edges change).
 
@@ -100,9 +102,11 @@ def _swap(pp: np.ndarray, dp: np.ndarray, arrays: tuple, temperature: float, del
     """One swap proposal; returns the energy delta (applied if accepted; ``delta_only`` never applies).
 
     ``arrays``: the state `KernelState.arrays` bundles (members, group_of, slot_of, order, rank, sums,
-    groups_dp, cache, state, the scratch subs, work, and the sites: site_of, by_site, site_start)."""
+    groups_dp, cache, state, the scratch subs, work, the sites: site_of, by_site, site_start, and the
+    scratch of a proposal: new_a, new_b, sums_a, sums_b, lefts, lows, values)."""
     members, group_of, slot_of, order, rank, sums, groups_dp, cache, state, subs, work = arrays[:11]
-    site_of, by_site, site_start = arrays[11:]
+    site_of, by_site, site_start = arrays[11:14]
+    new_a, new_b, sums_a, sums_b, lefts, lows, values = arrays[14:21]
     n = group_of.shape[0]
     size = members.shape[1]
     stages = members.shape[0]
@@ -120,12 +124,10 @@ def _swap(pp: np.ndarray, dp: np.ndarray, arrays: tuple, temperature: float, del
         while a == b:
             j = np.random.randint(0, n)
             b = group_of[j]
-    new_a = members[a].copy()
-    new_b = members[b].copy()
+    new_a[:] = members[a]
+    new_b[:] = members[b]
     new_a[slot_of[i]] = j
     new_b[slot_of[j]] = i
-    sums_a = np.empty(size)
-    sums_b = np.empty(size)
     top_a = _swapped_sums(dp, new_a, sums, i, j, sums_a)
     top_b = _swapped_sums(dp, new_b, sums, j, i, sums_b)
     old_max = 0.0
@@ -135,7 +137,6 @@ def _swap(pp: np.ndarray, dp: np.ndarray, arrays: tuple, temperature: float, del
         if g != a and g != b:
             new_max = max(new_max, groups_dp[g])
     # edges of the current order touching a or b: (position of its left end)
-    lefts = np.empty(4, np.int64)
     count = 0
     for p in (rank[a] - 1, rank[a], rank[b] - 1, rank[b]):
         if 0 <= p < stages - 1:
@@ -171,7 +172,6 @@ def _swap(pp: np.ndarray, dp: np.ndarray, arrays: tuple, temperature: float, del
     if not delta_only:
         threshold = -temperature * math.log(1.0 - np.random.random())
     # every changed edge at its lower bound first: most cool proposals end here, before any matching
-    lows = np.empty(4)
     for q in range(count):
         p = lefts[q]
         g = order[p]
@@ -180,9 +180,8 @@ def _swap(pp: np.ndarray, dp: np.ndarray, arrays: tuple, temperature: float, del
         cols = new_a if h == a else (new_b if h == b else members[h])
         lows[q] = fill(pp, rows, cols, subs[q])
         delta += lows[q]
-    if delta > threshold:
-        return delta
-    values = np.empty(4)
+        if delta > threshold:  # lower bounds only add: the rest cannot bring it back
+            return delta
     for q in range(count):
         values[q] = complete(subs[q], lows[q], work)
         delta += values[q] - lows[q]
@@ -272,9 +271,10 @@ def _run(
     order_share: float,
 ) -> None:
     members, order, rank, cache, state = arrays[0], arrays[3], arrays[4], arrays[7], arrays[8]
-    ratio = t_end / t_start
-    for step in range(steps):
-        temperature = t_start * ratio ** (step / steps)
+    factor = (t_end / t_start) ** (1.0 / steps) if steps > 0 else 1.0
+    temperature = t_start / factor
+    for _ in range(steps):
+        temperature *= factor
         if np.random.random() < order_share:
             _reorder(pp, members, order, rank, cache, state, temperature)
         else:
@@ -355,6 +355,8 @@ class KernelState:
         self.arrays = (
             self.members, self.group_of, self.slot_of, self.order, self.rank, self.sums, self.groups_dp,
             self.cache, self.state, subs, work, site_of, by_site, site_start,
+            np.empty(size, np.int64), np.empty(size, np.int64), np.empty(size), np.empty(size),
+            np.empty(4, np.int64), np.empty(4), np.empty(4),
         )  # fmt: skip
 
     @property
