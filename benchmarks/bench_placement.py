@@ -247,9 +247,15 @@ def merge(settings: dict[str, Any]) -> None:
         if ref is None or row["cost_s"] < ref["cost_s"]:
             refs[row["case"]] = {"cost_s": row["cost_s"], "method": f"bench_placement: {row['method']}",
                                  "seed": row["seed"], "budget_cpu_s": settings.get("budget_cpu_s"),
-                                 "cpu_s": round(row["cpu_s"], 1)}  # fmt: skip
+                                 "cpu_s": round(row["cpu_s"], 1),
+                                 "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
             if row.get("placement"):  # rows of runs before session 14 did not keep it
                 refs[row["case"]]["placement"] = row["placement"]
+            # the history stays: the replaced entry (with its own previous) and the long runs
+            if ref is not None:
+                refs[row["case"]]["previous"] = {k: v for k, v in ref.items() if k != "long_runs"}
+                if ref.get("long_runs"):
+                    refs[row["case"]]["long_runs"] = ref["long_runs"]
     if refs:
         save_references(refs)
     rows = [_without_placement(row) for row in rows]  # placements stay in the part files

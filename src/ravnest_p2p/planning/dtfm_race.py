@@ -167,8 +167,9 @@ def race(
             tick = clock()
             at = lo + length * done
             ahead = lo + length * min(1.0, done + pace)  # where these chunks should end, at the last pace
+            slope_now = slope_at(at, hot_slope, cool_slope)
             for st in states:
-                st.set_slope(slope_at(at, hot_slope, cool_slope))
+                st.set_slope(slope_now)
                 st.run(chunk, first * (last / first) ** at, first * (last / first) ** ahead, ORDER_SHARE)
             proposals += chunk * len(states)
             spent = (clock() - tick) / len(states)

@@ -29,7 +29,11 @@ def dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_a_run_that_beats_the_reference_is_stored_with_its_placement(dirs: Path) -> None:
-    placement_cases.save_references({"hard-2x2-s0": {"cost_s": 10.0, "method": "long run"}})
+    long_runs = [{"cost_s": 10.5, "method": "600 s run", "budget_cpu_s": 600.0}]
+    older = {"cost_s": 10.2, "method": "older"}
+    placement_cases.save_references(
+        {"hard-2x2-s0": {"cost_s": 10.0, "method": "long run", "previous": older, "long_runs": long_runs}}
+    )
     rows = [_row(0, 11.0, [[0, 1], [2, 3]]), _row(1, 9.5, [[0, 2], [1, 3]]), _row(2, 9.9, None)]
     (dirs / "parts").mkdir()
     (dirs / "parts" / "hard.json").write_text(json.dumps({"rows": rows, "curves": {}, "settings": {}}))
@@ -40,6 +44,9 @@ def test_a_run_that_beats_the_reference_is_stored_with_its_placement(dirs: Path)
     assert ref["cost_s"] == 9.5
     assert ref["placement"] == [[0, 2], [1, 3]]
     assert ref["seed"] == 1
+    # the replaced entry and the long runs stay on record
+    assert ref["previous"] == {"cost_s": 10.0, "method": "long run", "previous": older}
+    assert ref["long_runs"] == long_runs
     written = json.loads((dirs / "placement.json").read_text())["rows"]
     assert [r["ratio"] for r in written] == pytest.approx([11.0 / 9.5, 1.0, 9.9 / 9.5])
     assert all("placement" not in r for r in written)  # placements stay in the part files
