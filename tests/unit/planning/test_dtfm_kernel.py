@@ -63,6 +63,42 @@ def test_kernel_cost_is_the_cost_along_its_order_after_many_moves(
     assert model.cost(state.best_placement()) <= state.best_cost + 1e-9
 
 
+def test_order_moves_alone_keep_the_rank_and_the_cost_true() -> None:
+    model = _noisy_model(7, 7, 3)
+    state = KernelState(
+        model.pp_weights,
+        model.dp_weights,
+        random_placement(model.workload, np.random.default_rng(7)),
+        tuple(range(7)),
+    )
+    seed(5)
+    for temperature in (10.0, 0.1, 1e-4):
+        state.run(300, temperature, temperature, 1.0)  # only reversals and relocations
+        assert sorted(state.order.tolist()) == list(range(7))
+        assert [int(state.rank[g]) for g in state.order] == list(range(7))
+        assert state.cost == pytest.approx(_cost_along(model, state.members, state.order), rel=1e-9)
+
+
+def test_cached_edges_keep_their_blocks_row_minima_for_the_screen() -> None:
+    """The swap's screen reads a cached edge's row minima (``[g, h]``) and column minima (``[h, g]``)."""
+    model = _noisy_model(8, 5, 4)
+    state = KernelState(
+        model.pp_weights,
+        model.dp_weights,
+        random_placement(model.workload, np.random.default_rng(8)),
+        tuple(range(5)),
+    )
+    mins = state.arrays[21]
+    seed(9)
+    for temperature in (1.0, 0.05, 1e-3):
+        state.run(500, temperature, temperature, 0.2)
+        for g, h in itertools.product(range(5), repeat=2):
+            if g != h and state.cache[g, h] >= 0.0:
+                block = model.pp_weights[np.ix_(state.members[g], state.members[h])]
+                assert mins[g, h] == pytest.approx(block.min(axis=1))
+                assert mins[h, g] == pytest.approx(block.min(axis=0))
+
+
 def test_swap_deltas_change_nothing() -> None:
     model = _noisy_model(1, 4, 4)
     state = KernelState(
