@@ -235,7 +235,7 @@ def test_same_site_swaps_keep_every_groups_site_mix() -> None:
         KernelState(model.pp_weights, model.dp_weights, start, (0, 1), sites=labels[:-1])
 
 
-def test_the_search_takes_the_mix_path_on_wide_groups_with_sites(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mixes_first_on_wide_or_tall_layouts_with_sites(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
 
     def counted(*args: object, **kwargs: object) -> list:
@@ -253,6 +253,9 @@ def test_the_search_takes_the_mix_path_on_wide_groups_with_sites(monkeypatch: py
     narrow, _ = _site_model((20, 11, 9, 16, 8), 8, 8, 6, 0.25)  # 8 replicas: the plain race
     hybrid_search(narrow, SearchConfig(cpu_budget_s=1.0, seed=2), clock=Ticks(0.05))
     assert calls == [1]
+    tall, _ = _site_model((20, 11, 9, 16, 8), 16, 4, 6, 0.25)  # 16 stages: mixes first again
+    hybrid_search(tall, SearchConfig(cpu_budget_s=1.0, seed=2), clock=Ticks(0.05))
+    assert calls == [1, 1]
     model.check(plain.placement)
 
 
