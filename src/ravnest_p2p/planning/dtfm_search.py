@@ -30,8 +30,8 @@ to 0.5x over the cooling (session 18; 1x throughout for the refine of a mix, bel
 annealers race on one cooling schedule and are halved at 1/2, 3/4, ... of it (`dtfm_race`; how
 many from the measured pace). ``SearchConfig(compiled=False)`` keeps the Python annealer; its
 restart cycles below do not apply to the compiled search. Results in `docs/planning-placement.md`.
-With 16 or more replicas per stage *or 16 or more stages* (session 19) and 2-16 sites found in the
-matrix (`dtfm_sites.find_cities`), the compiled search first spends a quarter of the budget on the groups' site *mixes* (`dtfm_mix`), then
+With 2-16 sites found in the matrix (`dtfm_sites.find_cities`; until session 19 only with 16 or more
+replicas per stage), the compiled search first spends a quarter of the budget on the groups' site *mixes* (`dtfm_mix`), then
 anneals a filling of the best mix from 0.05x to 0.005x the calibrated temperature with half of the
 swaps inside a site (session 15: the mix decides the basin on wide groups; session 17: one filling,
 not two racing; ``mixes_first=False`` skips it).
@@ -154,9 +154,9 @@ _NOISY_REHEAT = 0.02
 # Session 17: 8 mix annealers (with the edge memo of `dtfm_mix`) and one filling cooled to 0.005x, not
 # two to 0.001x (whose survivor never improved after the halving, 12 of 12 traced runs).
 _MIX_SHARE = 0.25
-# ... and with 16 or more stages (session 19, 60 s CPU, `hard-16x8-s0`: mixes first 1.009x mean, 13 of 14
-# <= 1.02x, against the plain race's 1.017x, 7 of 12; on 8x8 the plain race stays: 1.012 / 1.009x).
-_MIX_STAGES = 16
+# Session 19: on every layout, not only wide ones (60 s CPU; `hard-16x8-s0`: 1.009x mean, 13 of 14 <= 1.02x,
+# against the plain race's 1.017x, 7 of 12; `hard-8x8-s0`: a deeper basin, 2% below the old reference,
+# in 3 of 12 runs, which the plain race never reached in 60+ runs).
 _MIX_ANNEALERS = 8
 _MIX_RACERS = 1
 _MIX_REFINE_START = 0.05
@@ -338,7 +338,7 @@ def _anneal_search(
         racers: tuple[Placement, ...] = ()
         labels: np.ndarray | None = None
         filled: Placement | None = None  # the best filling scored while mixes were searched
-        if (wide or model.workload.num_stages >= _MIX_STAGES) and config.mixes_first:
+        if config.mixes_first:
             racers, labels, filled = _mix_racers(model, config, rng, out_of_time, clock, note)
         won = race(
             model, random_placement(model.workload, rng) if racers else best, rng,

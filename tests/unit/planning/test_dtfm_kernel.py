@@ -130,7 +130,7 @@ def test_same_seed_same_moves_same_result() -> None:
 
 def test_compiled_search_improves_on_its_start_and_reports_the_exact_cost() -> None:
     model = _noisy_model(4, 6, 4)
-    config = SearchConfig(cpu_budget_s=2.0, seed=5)
+    config = SearchConfig(cpu_budget_s=2.0, seed=5, mixes_first=False)  # the plain race
     result = hybrid_search(model, config, clock=Ticks(0.02))
     model.check(result.placement)
     assert result.cost == pytest.approx(model.cost(result.placement), rel=1e-12)
@@ -146,7 +146,9 @@ def test_compiled_search_improves_on_its_start_and_reports_the_exact_cost() -> N
 
 def test_compiled_search_is_at_least_as_good_as_the_python_annealer_here() -> None:
     model = _noisy_model(6, 8, 4)
-    compiled = hybrid_search(model, SearchConfig(cpu_budget_s=2.0, seed=1), clock=Ticks(0.02))
+    compiled = hybrid_search(
+        model, SearchConfig(cpu_budget_s=2.0, seed=1, mixes_first=False), clock=Ticks(0.02)
+    )
     python = hybrid_search(model, SearchConfig(cpu_budget_s=2.0, seed=1, compiled=False), clock=Ticks(0.02))
     assert compiled.evaluations > python.evaluations
     assert compiled.cost <= python.cost * 1.001
@@ -208,7 +210,8 @@ def test_the_race_lowers_its_slope_from_hot_to_cool_over_the_cooling(monkeypatch
         original(self, dp_slope)
 
     monkeypatch.setattr(KernelState, "set_slope", spy)
-    hybrid_search(_noisy_model(5, 6, 4), SearchConfig(cpu_budget_s=2.0, seed=2), clock=Ticks(0.02))
+    config = SearchConfig(cpu_budget_s=2.0, seed=2, mixes_first=False)  # the plain race (a mix's refine: 1.0)
+    hybrid_search(_noisy_model(5, 6, 4), config, clock=Ticks(0.02))
     hot, cool = dtfm_race.DP_SLOPE, dtfm_race.DP_SLOPE * dtfm_race.SLOPE_END
     assert hot > cool
     assert len(slopes) > 10

@@ -235,7 +235,7 @@ def test_same_site_swaps_keep_every_groups_site_mix() -> None:
         KernelState(model.pp_weights, model.dp_weights, start, (0, 1), sites=labels[:-1])
 
 
-def test_mixes_first_on_wide_or_tall_layouts_with_sites(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mixes_first_on_every_layout_with_sites(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
 
     def counted(*args: object, **kwargs: object) -> list:
@@ -250,12 +250,11 @@ def test_mixes_first_on_wide_or_tall_layouts_with_sites(monkeypatch: pytest.Monk
     assert mixed.cost == pytest.approx(model.cost(mixed.placement), rel=1e-12)
     assert mixed.cost < mixed.initial_best_cost
     plain = hybrid_search(model, SearchConfig(cpu_budget_s=1.0, seed=2, mixes_first=False), clock=Ticks(0.05))
-    narrow, _ = _site_model((20, 11, 9, 16, 8), 8, 8, 6, 0.25)  # 8 replicas: the plain race
-    hybrid_search(narrow, SearchConfig(cpu_budget_s=1.0, seed=2), clock=Ticks(0.05))
-    assert calls == [1]
-    tall, _ = _site_model((20, 11, 9, 16, 8), 16, 4, 6, 0.25)  # 16 stages: mixes first again
-    hybrid_search(tall, SearchConfig(cpu_budget_s=1.0, seed=2), clock=Ticks(0.05))
-    assert calls == [1, 1]
+    assert calls == [1]  # mixes_first=False: the plain race
+    for stages, replicas in ((8, 8), (16, 4)):  # narrow and tall layouts too (session 19)
+        other, _ = _site_model((20, 11, 9, 16, 8), stages, replicas, 6, 0.25)
+        hybrid_search(other, SearchConfig(cpu_budget_s=1.0, seed=2), clock=Ticks(0.05))
+    assert calls == [1, 1, 1]
     model.check(plain.placement)
 
 
