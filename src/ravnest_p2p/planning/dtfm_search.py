@@ -31,10 +31,11 @@ annealers race on one cooling schedule and are halved at 1/2, 3/4, ... of it (`d
 many from the measured pace). ``SearchConfig(compiled=False)`` keeps the Python annealer; its
 restart cycles below do not apply to the compiled search. Results in `docs/planning-placement.md`.
 With 2-16 sites found in the matrix (`dtfm_sites.find_cities`; until session 19 only with 16 or more
-replicas per stage), the compiled search first spends a quarter of the budget on the groups' site *mixes* (`dtfm_mix`), then
-anneals a filling of the best mix from 0.05x to 0.005x the calibrated temperature with half of the
-swaps inside a site (session 15: the mix decides the basin on wide groups; session 17: one filling,
-not two racing; ``mixes_first=False`` skips it).
+replicas per stage), the compiled search first spends a quarter of the budget on the groups' site
+*mixes* (`dtfm_mix`; 8 racing mix annealers, 32 below 128 devices), then anneals a filling of the
+best mix from 0.05x to 0.005x the calibrated temperature with half of the swaps inside a site
+(session 15: the mix decides the basin on wide groups; session 17: one filling, not two racing;
+``mixes_first=False`` skips it).
 
 Noisy networks (no twins) with the CPU-time schedule get a schedule of their own: the old curves (8x8,
 60 s) spent the first third of the hot cycle at temperatures where the best-so-far did not move (a
@@ -158,6 +159,12 @@ _MIX_SHARE = 0.25
 # against the plain race's 1.017x, 7 of 12; `hard-8x8-s0`: a deeper basin, 2% below the old reference,
 # in 3 of 12 runs, which the plain race never reached in 60+ runs).
 _MIX_ANNEALERS = 8
+# ... and this many below `_MIX_FEW_DEVICES` devices (session 19, the mix search alone, 15 CPU-s, seeds 0-3:
+# on `hard-8x8-s0` 8 annealers never reached the deep basin's mix (score 50.94; they stop at 52.21), 16 did
+# in 2 of 4, 32 in 3 of 4; on `hard-16x8-s0` 32 were worse than 8: 58.61 / 57.61 / 57.94 / 58.62 against
+# 57.76 / 57.85 / 57.93 / 57.87, and session 17 found 8 best on 8x16).
+_MIX_ANNEALERS_FEW = 32
+_MIX_FEW_DEVICES = 128
 _MIX_RACERS = 1
 _MIX_REFINE_START = 0.05
 _MIX_REFINE_COOL = 0.005
@@ -425,8 +432,9 @@ def _mix_racers(
         note((cost, 0.0))
 
     span = _MIX_SHARE * config.cpu_budget_s
+    annealers = _MIX_ANNEALERS_FEW if model.num_devices < _MIX_FEW_DEVICES else _MIX_ANNEALERS
     found = search_mixes(
-        model, labels, rng, span_s=span, racers=_MIX_ANNEALERS, clock=clock, out_of_time=out_of_time,
+        model, labels, rng, span_s=span, racers=annealers, clock=clock, out_of_time=out_of_time,
         on_best=on_best,
     )  # fmt: skip
     distinct = [c for k, c in enumerate(found) if k == 0 or c.score > found[k - 1].score]
