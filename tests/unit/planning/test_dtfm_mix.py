@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 from benchmarks.placement_cases import make_case
 
-from ravnest_p2p.planning import CostModel, SearchConfig, Workload, dtfm_mix, hybrid_search, random_placement
+from ravnest_p2p.planning import (
+    CostModel,
+    SearchConfig,
+    Workload,
+    dtfm_mix,
+    dtfm_search,
+    hybrid_search,
+    random_placement,
+)
 from ravnest_p2p.planning.dtfm import bottleneck_matching
 from ravnest_p2p.planning.dtfm_kernel import KernelState, seed
 from ravnest_p2p.planning.dtfm_mix import (
@@ -258,7 +266,10 @@ def test_mixes_first_on_every_layout_with_sites(monkeypatch: pytest.MonkeyPatch)
     model.check(plain.placement)
 
 
-def test_the_best_so_far_moves_while_mixes_are_searched() -> None:
+def test_the_best_so_far_moves_while_mixes_are_searched(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 8 mix annealers, as on 128 devices: with a ticking clock each chunk grows to its cap, so 32 would
+    # cost ~4x the real CPU for the same ticks
+    monkeypatch.setattr(dtfm_search, "_MIX_ANNEALERS_FEW", 8)
     model, _ = _site_model((20, 11, 9, 16, 8), 4, 16, 6, 0.25)
     budget = 8.0
     result = hybrid_search(model, SearchConfig(cpu_budget_s=budget, seed=2), clock=Ticks(0.05))
