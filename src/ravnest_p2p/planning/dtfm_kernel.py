@@ -467,10 +467,10 @@ class KernelState:
             self.sums[self.members[g]] = block.sum(axis=1)
             self.groups_dp[g] = float(self.sums[self.members[g]].max())
         self.cache = np.full((stages, stages), -1.0)
-        mins = np.empty((stages, stages, size))  # row minima of the cached edges' blocks (`_screen`)
+        self.mins = np.empty((stages, stages, size))  # row minima of the cached edges' blocks (`_screen`)
         subs = np.empty((4, size, size))  # scratch: the <= 4 changed edges' weight blocks
         work = np.empty(4 * size, np.int64)  # scratch of the matching
-        path = _path(self.pp, self.members, self.cache, mins, subs[0], work, self.order)
+        path = _path(self.pp, self.members, self.cache, self.mins, subs[0], work, self.order)
         cost = float(self.groups_dp.max()) + path
         # cost along the order, its best, the slope's weight, power and scale (the start's slowest group),
         # and the share of same-site swap proposals
@@ -487,7 +487,7 @@ class KernelState:
             self.members, self.group_of, self.slot_of, self.order, self.rank, self.sums, self.groups_dp,
             self.cache, self.state, subs, work, site_of, by_site, site_start,
             np.empty(size, np.int64), np.empty(size, np.int64), np.empty(size), np.empty(size),
-            np.empty(4, np.int64), np.empty(4), np.empty(4), mins,
+            np.empty(4, np.int64), np.empty(4), np.empty(4), self.mins,
         )  # fmt: skip
 
     @property

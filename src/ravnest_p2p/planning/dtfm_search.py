@@ -149,15 +149,15 @@ _NOISY_START = 0.2
 _NOISY_START_WIDE = 1.0
 _WIDE_REPLICAS = 16
 _NOISY_REHEAT = 0.02
-# Wide stage groups on noisy networks with a few sites: site mixes first (`dtfm_mix`), in this share of
-# the budget by this many racing mix annealers; the best mixes (this many, filled with random devices)
-# race from this fraction of the calibrated temperature to that one with this share of same-site swaps.
-# Session 17: 8 mix annealers (with the edge memo of `dtfm_mix`) and one filling cooled to 0.005x, not
-# two to 0.001x (whose survivor never improved after the halving, 12 of 12 traced runs).
+# Noisy networks with a few sites: site mixes first (`dtfm_mix`), in this share of the budget by this
+# many racing mix annealers; the best mixes (this many, filled with random devices) race from this
+# fraction of the calibrated temperature to that one with this share of same-site swaps. Session 17: 8
+# mix annealers (with the edge memo of `dtfm_mix`) and one filling cooled to 0.005x, not two to 0.001x
+# (whose survivor never improved after the halving, 12 of 12 traced runs). Session 19: on every layout,
+# not only wide groups (60 s CPU; `hard-16x8-s0`: 1.009x mean, 13 of 14 <= 1.02x, against the plain
+# race's 1.017x, 7 of 12; `hard-8x8-s0`: a deeper basin, 2% below the old reference, in 3 of 12 runs,
+# which the plain race never reached in 60+ runs).
 _MIX_SHARE = 0.25
-# Session 19: on every layout, not only wide ones (60 s CPU; `hard-16x8-s0`: 1.009x mean, 13 of 14 <= 1.02x,
-# against the plain race's 1.017x, 7 of 12; `hard-8x8-s0`: a deeper basin, 2% below the old reference,
-# in 3 of 12 runs, which the plain race never reached in 60+ runs).
 _MIX_ANNEALERS = 8
 # ... and this many below `_MIX_FEW_DEVICES` devices (session 19, the mix search alone, 15 CPU-s, seeds 0-3:
 # on `hard-8x8-s0` 8 annealers never reached the deep basin's mix (score 50.94; they stop at 52.21), 16 did

@@ -63,14 +63,15 @@ def test_kernel_cost_is_the_cost_along_its_order_after_many_moves(
     assert model.cost(state.best_placement()) <= state.best_cost + 1e-9
 
 
+def _random_state(model: CostModel, seed_value: int) -> KernelState:
+    """A kernel state from a seeded random placement along the identity stage order."""
+    start = random_placement(model.workload, np.random.default_rng(seed_value))
+    return KernelState(model.pp_weights, model.dp_weights, start, tuple(range(model.workload.num_stages)))
+
+
 def test_order_moves_alone_keep_the_rank_and_the_cost_true() -> None:
     model = _noisy_model(7, 7, 3)
-    state = KernelState(
-        model.pp_weights,
-        model.dp_weights,
-        random_placement(model.workload, np.random.default_rng(7)),
-        tuple(range(7)),
-    )
+    state = _random_state(model, 7)
     seed(5)
     for temperature in (10.0, 0.1, 1e-4):
         state.run(300, temperature, temperature, 1.0)  # only reversals and relocations
@@ -82,13 +83,8 @@ def test_order_moves_alone_keep_the_rank_and_the_cost_true() -> None:
 def test_cached_edges_keep_their_blocks_row_minima_for_the_screen() -> None:
     """The swap's screen reads a cached edge's row minima (``[g, h]``) and column minima (``[h, g]``)."""
     model = _noisy_model(8, 5, 4)
-    state = KernelState(
-        model.pp_weights,
-        model.dp_weights,
-        random_placement(model.workload, np.random.default_rng(8)),
-        tuple(range(5)),
-    )
-    mins = state.arrays[21]
+    state = _random_state(model, 8)
+    mins = state.mins
     seed(9)
     for temperature in (1.0, 0.05, 1e-3):
         state.run(500, temperature, temperature, 0.2)
@@ -101,12 +97,7 @@ def test_cached_edges_keep_their_blocks_row_minima_for_the_screen() -> None:
 
 def test_swap_deltas_change_nothing() -> None:
     model = _noisy_model(1, 4, 4)
-    state = KernelState(
-        model.pp_weights,
-        model.dp_weights,
-        random_placement(model.workload, np.random.default_rng(1)),
-        (0, 1, 2, 3),
-    )
+    state = _random_state(model, 1)
     before = (state.members.copy(), state.order.copy(), state.cost)
     deltas = state.swap_deltas(200)
     assert (deltas > 0).any()
