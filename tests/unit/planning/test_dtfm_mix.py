@@ -295,3 +295,30 @@ def test_the_mix_search_reports_valid_best_mixes() -> None:
     for counts in reports:
         assert counts.sum(axis=1).tolist() == [16] * 4
         assert counts.sum(axis=0).tolist() == sizes
+
+
+def test_the_searched_energy_ranks_the_deep_8x8_mix_first_as_the_estimate_does() -> None:
+    """Session 20: with 1 x the mean group all-reduce in the energy, the mix search preferred a shallow
+    `hard-8x8-s0` mix (three groups of 7 from the largest city) to the deep one that refines 2-5% lower
+    (five groups of 5, every all-reduce slow), which the estimate ranks first; `MIX_SLOPE` must not
+    reverse the estimate's order of the two."""
+    model = make_case(8, 8, 0).model()
+    labels = find_cities(model)
+    assert np.bincount(labels).tolist() == [7, 8, 1, 4, 10, 4, 25, 5]
+    deep = [[1, 1, 0, 0, 0, 0, 5, 1]] * 5 + [[2, 3, 1, 0, 0, 2, 0, 0]] + [[0, 0, 0, 2, 5, 1, 0, 0]] * 2
+    shallow = [[0, 1, 0, 0, 0, 0, 7, 0]] * 3 + [[0, 1, 0, 0, 0, 3, 4, 0], [0, 3, 0, 1, 0, 1, 0, 3]]
+    shallow += [[1, 1, 1, 3, 0, 0, 0, 2]] + [[3, 0, 0, 0, 5, 0, 0, 0]] * 2
+    dp, pairs, levels = dtfm_mix.site_model(model, labels)
+    order = np.arange(8, dtype=np.int64)
+
+    def scored(mix: list[list[int]]) -> tuple[float, float]:
+        counts = np.array(mix, dtype=np.int64)
+        assert counts.sum(axis=0).tolist() == np.bincount(labels).tolist()
+        estimate = dtfm_mix._estimate(counts, order, dp, pairs, levels, dtfm_mix.CROSS_WEIGHT)
+        mean_dp = np.mean([dtfm_mix._mix_dp(row, dp) for row in counts])
+        return estimate, estimate + dtfm_mix.MIX_SLOPE * mean_dp
+
+    (deep_estimate, deep_energy), (shallow_estimate, shallow_energy) = scored(deep), scored(shallow)
+    assert deep_estimate == pytest.approx(50.94, abs=0.01)
+    assert shallow_estimate == pytest.approx(52.21, abs=0.01)
+    assert deep_energy < shallow_energy
