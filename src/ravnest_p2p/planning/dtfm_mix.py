@@ -29,13 +29,14 @@ matched 1.006 1.005 0.998 1.007 1.016 1.027 1.008 1.057 (mean 1.016). Re-measure
 above were a lucky draw of a time-sliced search.
 
 Mix search (`search_mixes`). Compiled Metropolis over ``counts[g, s]`` (rows sum to the replicas,
-columns to the site sizes) and a stage order, energy = estimated cost + `MIX_SLOPE` (0.3) x the mean
-group all-reduce (as `dtfm_kernel`). Moves: one device of site ``x`` for one of ``y`` between two groups; the
-same along two disjoint stretches of the order at once (`LANE_SHARE`: a lane of one site traded for a
-lane of another through a run of groups); stretch reversals of the order (`ORDER_SHARE`). Evaluation
-is incremental (changed groups, their edges). Several annealers from random mixes race on one cooling
-schedule (from the temperature that accepts the median uphill move half the time to 1/1000 of it) and
-are halved at 1/2, 3/4, ... of it, as in `dtfm_race`.
+columns to the site sizes) and a stage order, energy = estimated cost + a slope (`MIX_SLOPE`, 1.0, by
+default) x the mean group all-reduce (as `dtfm_kernel`). Moves: one device of site ``x`` for one of
+``y`` between two groups; the same along two disjoint stretches of the order at once (`LANE_SHARE`: a
+lane of one site traded for a lane of another through a run of groups); stretch reversals of the order
+(`ORDER_SHARE`). Evaluation is incremental (changed groups, their edges). Several annealers from random
+mixes race on one cooling schedule (from the temperature that accepts the median uphill move half the
+time to 1/1000 of it) and are halved at 1/2, 3/4, ... of it, as in `dtfm_race`. Below 128 devices the
+slope is 0.3 (`dtfm_search._MIX_SLOPE_FEW`, session 20).
 
 Session 17. (1) Edges go through a direct-mapped memo keyed by the two mixes (`_memo_edge`, shared by
 the racers of one search; exact: the stored value is what `_mix_edge` returns): a proposal cost ~6 us
@@ -78,13 +79,7 @@ __all__ = ["MixCandidate", "fill_mix", "mix_estimate", "search_mixes", "site_mod
 ORDER_SHARE = 0.15  # share of mix proposals that reverse a stretch of the stage order
 BOUNDARY_SHARE = 0.05  # share of mix proposals that move a run boundary (`_boundary`)
 LANE_SHARE = 0.5  # share of mix proposals that trade a lane through a stretch of groups
-# The energy's weight on the mean group all-reduce (as `dtfm_race.DP_SLOPE`). Session 20: 1.0 before, which
-# ranked the shallow `hard-8x8-s0` mix (score 52.21: three groups of 7 from its largest city) *below* the
-# deep one (50.94: five groups of 5), whose groups' all-reduces are all slow; the estimate ranks them the
-# other way. The mix search alone (15 CPU-s, 32 annealers, seeds 5-12): 1.0 4 of 8 reach 50.94, 0.3 and
-# 0 8 of 8; on `hard-8x16-s0` (8 annealers, seeds 0-5) 1.0 5 of 6 and 0.3 5 of 6 reach its best mix,
-# 0 only 1 of 6; a slope falling from 1.0 to 0.1: 4 of 7 on 8x8.
-MIX_SLOPE = 0.3
+MIX_SLOPE = 1.0  # the energy's weight on the mean group all-reduce (as `dtfm_race.DP_SLOPE`), by default
 MATCHED = True  # stage edges from k-matching levels (`dtfm_sites.matched_levels`); False: site medians
 DP_QUANTILE = 0.25  # the quantile of a site pair's all-reduce weights a group's mix is estimated with
 _CHUNK_S = 0.02  # CPU seconds between clock reads
@@ -376,6 +371,7 @@ def _anneal(
     cross: float,
     keys: np.ndarray,
     values: np.ndarray,
+    slope: float,
 ) -> None:
     """``steps`` proposals cooling from ``t_start`` to ``t_end``; ``best[0]`` and the best layout are
     updated in place. With ``deltas`` non-empty, nothing is applied: it receives the energy deltas of
@@ -391,7 +387,7 @@ def _anneal(
         g, h = order[i], order[i + 1]
         edges[g, h] = edges[h, g] = _memo_edge(counts[g], counts[h], pairs, levels, cross, keys, values)
         path += edges[g, h]
-    energy = group_dp.max() + path + MIX_SLOPE * group_dp.mean()
+    energy = group_dp.max() + path + slope * group_dp.mean()
     trial, trial_order = counts.copy(), order.copy()
     changed = np.zeros(stages, np.bool_)
     trial_dp, trial_edges = group_dp.copy(), np.empty(stages - 1)
@@ -416,7 +412,7 @@ def _anneal(
             else:
                 trial_edges[i] = edges[g, h]
             trial_path += trial_edges[i]
-        trial_energy = top + trial_path + MIX_SLOPE * total / stages
+        trial_energy = top + trial_path + slope * total / stages
         if calibrating:
             deltas[sampled] = trial_energy - energy
             sampled += 1
@@ -483,11 +479,13 @@ def search_mixes(
     out_of_time: Callable[[], bool],
     hot: float = 1.0,
     cool_to: float = 1e-3,
+    slope: float = MIX_SLOPE,
     on_best: Callable[[np.ndarray], None] | None = None,
 ) -> list[MixCandidate]:
     """``racers`` mix annealers (a power of two) from random mixes on one cooling schedule from ``hot`` to
-    ``cool_to`` x the calibrated temperature over ``span_s`` CPU seconds, the better half going on at 1/2,
-    3/4, ... of it (`dtfm_race.race_rounds`); every annealer's best, best first.
+    ``cool_to`` x the calibrated temperature over ``span_s`` CPU seconds (energy: the estimate + ``slope`` x
+    the mean group all-reduce), the better half going on at 1/2, 3/4, ... of it (`dtfm_race.race_rounds`);
+    every annealer's best, best first.
 
     ``on_best`` gets a copy of the best mix so far (``counts``) at most every `NOTE_EVERY_S` CPU seconds,
     when it improved (the caller scores a filling of it: the search stays anytime while mixes are
@@ -511,7 +509,7 @@ def search_mixes(
     deltas = np.empty(300)
     _anneal(
         first_one.counts, first_one.order, dp, pairs, levels, 0, 1.0, 1.0, first_one.best,
-        first_one.best_counts, first_one.best_order, deltas, CROSS_WEIGHT, keys, values,
+        first_one.best_counts, first_one.best_order, deltas, CROSS_WEIGHT, keys, values, slope,
     )  # fmt: skip
     uphill = deltas[deltas > 0]
     first = hot * (float(np.median(uphill)) / math.log(2.0) if len(uphill) else 1e-3 * first_one.best[0])
@@ -535,7 +533,7 @@ def search_mixes(
             for a in alive:
                 _anneal(
                     a.counts, a.order, dp, pairs, levels, chunk, t_from, t_to, a.best, a.best_counts,
-                    a.best_order, np.empty(0), CROSS_WEIGHT, keys, values,
+                    a.best_order, np.empty(0), CROSS_WEIGHT, keys, values, slope,
                 )  # fmt: skip
             spent = (clock() - tick) / len(alive)
             chunk = int(min(max(chunk * _CHUNK_S / max(spent, 1e-4), 200), 500_000))

@@ -165,6 +165,14 @@ _MIX_ANNEALERS = 8
 # 57.76 / 57.85 / 57.93 / 57.87, and session 17 found 8 best on 8x16).
 _MIX_ANNEALERS_FEW = 32
 _MIX_FEW_DEVICES = 128
+# ... with this slope on the mean group all-reduce in the mix energy (`dtfm_mix.MIX_SLOPE`, 1.0, above).
+# Session 20: 1.0 ranked the shallow `hard-8x8-s0` mix (score 52.21: three groups of 7 from its largest
+# city) *below* the deep one (50.94: five groups of 5, every all-reduce slow) that the estimate ranks first
+# (`test_dtfm_mix`). The mix search alone (15 CPU-s, 32 annealers, seeds 5-12) reached 50.94 in 4 of 8
+# with 1.0, 8 of 8 with 0.3 (and 4 more of 4) or 0; a slope falling from 1.0 to 0.1: 4 of 7. Full 60 s
+# runs with 0.3: the deep mix in 17 of 19. On `hard-8x16-s0` 0.3 is worse: its best mix in 9 of 18 full
+# runs (ratio mean 1.025) against 8 of 8 with 1.0 (1.014); 16x8: 1.013 mean (11 runs), as with 1.0.
+_MIX_SLOPE_FEW = 0.3
 _MIX_RACERS = 1
 _MIX_REFINE_START = 0.05
 _MIX_REFINE_COOL = 0.005
@@ -415,7 +423,7 @@ def _mix_racers(
     the best-so-far curve moves during the mix search); the cheapest of those is returned. The
     fillings draw from a generator of their own: the search's random stream is the same with or
     without them."""
-    from ravnest_p2p.planning.dtfm_mix import fill_mix, search_mixes
+    from ravnest_p2p.planning.dtfm_mix import MIX_SLOPE, fill_mix, search_mixes
     from ravnest_p2p.planning.dtfm_sites import find_cities
 
     labels = find_cities(model)
@@ -432,10 +440,10 @@ def _mix_racers(
         note((cost, 0.0))
 
     span = _MIX_SHARE * config.cpu_budget_s
-    annealers = _MIX_ANNEALERS_FEW if model.num_devices < _MIX_FEW_DEVICES else _MIX_ANNEALERS
+    few = model.num_devices < _MIX_FEW_DEVICES
     found = search_mixes(
-        model, labels, rng, span_s=span, racers=annealers, clock=clock, out_of_time=out_of_time,
-        on_best=on_best,
+        model, labels, rng, span_s=span, racers=_MIX_ANNEALERS_FEW if few else _MIX_ANNEALERS, clock=clock,
+        out_of_time=out_of_time, slope=_MIX_SLOPE_FEW if few else MIX_SLOPE, on_best=on_best,
     )  # fmt: skip
     distinct = [c for k, c in enumerate(found) if k == 0 or c.score > found[k - 1].score]
     chosen = distinct[:_MIX_RACERS]

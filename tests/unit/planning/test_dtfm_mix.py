@@ -300,8 +300,8 @@ def test_the_mix_search_reports_valid_best_mixes() -> None:
 def test_the_searched_energy_ranks_the_deep_8x8_mix_first_as_the_estimate_does() -> None:
     """Session 20: with 1 x the mean group all-reduce in the energy, the mix search preferred a shallow
     `hard-8x8-s0` mix (three groups of 7 from the largest city) to the deep one that refines 2-5% lower
-    (five groups of 5, every all-reduce slow), which the estimate ranks first; `MIX_SLOPE` must not
-    reverse the estimate's order of the two."""
+    (five groups of 5, every all-reduce slow), which the estimate ranks first; the slope must not
+    reverse the estimate's order of the two (below 128 devices: `dtfm_search._MIX_SLOPE_FEW`)."""
     model = make_case(8, 8, 0).model()
     labels = find_cities(model)
     assert np.bincount(labels).tolist() == [7, 8, 1, 4, 10, 4, 25, 5]
@@ -316,7 +316,7 @@ def test_the_searched_energy_ranks_the_deep_8x8_mix_first_as_the_estimate_does()
         assert counts.sum(axis=0).tolist() == np.bincount(labels).tolist()
         estimate = dtfm_mix._estimate(counts, order, dp, pairs, levels, dtfm_mix.CROSS_WEIGHT)
         mean_dp = np.mean([dtfm_mix._mix_dp(row, dp) for row in counts])
-        return estimate, estimate + dtfm_mix.MIX_SLOPE * mean_dp
+        return estimate, estimate + dtfm_search._MIX_SLOPE_FEW * mean_dp
 
     (deep_estimate, deep_energy), (shallow_estimate, shallow_energy) = scored(deep), scored(shallow)
     assert deep_estimate == pytest.approx(50.94, abs=0.01)
