@@ -165,13 +165,18 @@ _MIX_ANNEALERS = 8
 # 57.76 / 57.85 / 57.93 / 57.87, and session 17 found 8 best on 8x16).
 _MIX_ANNEALERS_FEW = 32
 _MIX_FEW_DEVICES = 128
-# ... with this slope on the mean group all-reduce in the mix energy (`dtfm_mix.MIX_SLOPE`, 1.0, above).
+# ... with this slope on the mean group all-reduce in the mix energy (`dtfm_mix.MIX_SLOPE`, 1.0, above)
+# and in the refine of the best mix's filling (`_MIX_REFINE_SLOPE`, 1.0, above).
 # Session 20: 1.0 ranked the shallow `hard-8x8-s0` mix (score 52.21: three groups of 7 from its largest
 # city) *below* the deep one (50.94: five groups of 5, every all-reduce slow) that the estimate ranks first
 # (`test_dtfm_mix`). The mix search alone (15 CPU-s, 32 annealers, seeds 5-12) reached 50.94 in 4 of 8
 # with 1.0, 8 of 8 with 0.3 (and 4 more of 4) or 0; a slope falling from 1.0 to 0.1: 4 of 7. Full 60 s
 # runs with 0.3: the deep mix in 17 of 19. On `hard-8x16-s0` 0.3 is worse: its best mix in 9 of 18 full
 # runs (ratio mean 1.025) against 8 of 8 with 1.0 (1.014); 16x8: 1.013 mean (11 runs), as with 1.0.
+# The refine of a deep 8x8 mix at slope 1.0: 1.0129 1.0038 1.0116 1.0108 1.0 1.0152 1.0003 1.0241 (seeds
+# 10-17); at 0.3: 1.0108 1.0135 1.011 1.0108 1.0108 1.0108 1.0108 1.0121 -- never the best, never a miss.
+# On 16x8 the refine at 0.3 was worse (1.0165 1.0203 1.028 against 1.016 1.0093 1.0148, seeds 0-2).
+# (Ratios to the references of the time: 57.235, 68.768 and 45.442 s.)
 _MIX_SLOPE_FEW = 0.3
 _MIX_RACERS = 1
 _MIX_REFINE_START = 0.05
@@ -355,13 +360,14 @@ def _anneal_search(
         filled: Placement | None = None  # the best filling scored while mixes were searched
         if config.mixes_first:
             racers, labels, filled = _mix_racers(model, config, rng, out_of_time, clock, note)
+        refine_slope = _MIX_SLOPE_FEW if model.num_devices < _MIX_FEW_DEVICES else _MIX_REFINE_SLOPE
         won = race(
             model, random_placement(model.workload, rng) if racers else best, rng,
             hot=_MIX_REFINE_START if racers else hot, cool_to=_MIX_REFINE_COOL if racers else _COOL_TO,
             budget_s=config.cpu_budget_s, max_rounds=config.max_generations, out_of_time=out_of_time,
             note=note, clock=clock, started=started, racers=racers, sites=labels,
             same_site_share=_SAME_SITE_SHARE,
-            slope=(_MIX_REFINE_SLOPE, _MIX_REFINE_SLOPE) if racers else None,
+            slope=(refine_slope, refine_slope) if racers else None,
         )  # fmt: skip
         final = won.placement if filled is None else min(won.placement, filled, key=model.cost)
         return _result(model, final, won.rounds, won.proposals, initial_best, clock() - started, curve)

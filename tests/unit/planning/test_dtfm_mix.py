@@ -13,6 +13,7 @@ from ravnest_p2p.planning import (
     SearchConfig,
     Workload,
     dtfm_mix,
+    dtfm_race,
     dtfm_search,
     hybrid_search,
     random_placement,
@@ -29,6 +30,7 @@ from ravnest_p2p.planning.dtfm_mix import (
     mix_estimate,
     search_mixes,
 )
+from ravnest_p2p.planning.dtfm_race import race
 from ravnest_p2p.planning.dtfm_sites import _k_levels, find_cities, matched_levels, site_matrices
 from tests.unit.planning.helpers import Ticks
 
@@ -244,26 +246,39 @@ def test_same_site_swaps_keep_every_groups_site_mix() -> None:
 
 
 def test_mixes_first_on_every_layout_with_sites(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
+    calls: list[float] = []  # the slope of every mix search
+    refines: list[object] = []  # the slopes of every refine (the race after it)
 
     def counted(*args: object, **kwargs: object) -> list:
-        calls.append(1)
+        calls.append(kwargs["slope"])  # type: ignore[arg-type]
         return search_mixes(*args, **kwargs)  # type: ignore[arg-type]
 
+    def raced(*args: object, **kwargs: object) -> object:
+        refines.append(kwargs["slope"])
+        return race(*args, **kwargs)  # type: ignore[arg-type]
+
     monkeypatch.setattr(dtfm_mix, "search_mixes", counted)
+    monkeypatch.setattr(dtfm_race, "race", raced)
+    few, many = dtfm_search._MIX_SLOPE_FEW, dtfm_mix.MIX_SLOPE
     model, _ = _site_model((20, 11, 9, 16, 8), 4, 16, 6, 0.25)
     mixed = hybrid_search(model, SearchConfig(cpu_budget_s=1.0, seed=2), clock=Ticks(0.05))
-    assert calls == [1]
+    assert calls == [few]  # 64 devices: the slope of few devices, in the mix search and its refine
+    assert refines == [(few, few)]
     model.check(mixed.placement)
     assert mixed.cost == pytest.approx(model.cost(mixed.placement), rel=1e-12)
     assert mixed.cost < mixed.initial_best_cost
     plain = hybrid_search(model, SearchConfig(cpu_budget_s=1.0, seed=2, mixes_first=False), clock=Ticks(0.05))
-    assert calls == [1]  # mixes_first=False: the plain race
+    assert calls == [few]  # mixes_first=False: the plain race, with its own falling slope
+    assert refines[-1] is None
     for stages, replicas in ((8, 8), (16, 4)):  # narrow and tall layouts too (session 19)
         other, _ = _site_model((20, 11, 9, 16, 8), stages, replicas, 6, 0.25)
         hybrid_search(other, SearchConfig(cpu_budget_s=1.0, seed=2), clock=Ticks(0.05))
-    assert calls == [1, 1, 1]
+    assert calls == [few, few, few]
     model.check(plain.placement)
+    wide, _ = _site_model((40, 22, 18, 32, 16), 8, 16, 6, 0.25)  # 128 devices: slope 1.0 (session 20)
+    hybrid_search(wide, SearchConfig(cpu_budget_s=1.0, seed=2), clock=Ticks(0.05))
+    assert calls[-1] == many
+    assert refines[-1] == (dtfm_search._MIX_REFINE_SLOPE,) * 2
 
 
 def test_the_best_so_far_moves_while_mixes_are_searched(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -315,7 +330,7 @@ def test_the_searched_energy_ranks_the_deep_8x8_mix_first_as_the_estimate_does()
         counts = np.array(mix, dtype=np.int64)
         assert counts.sum(axis=0).tolist() == np.bincount(labels).tolist()
         estimate = dtfm_mix._estimate(counts, order, dp, pairs, levels, dtfm_mix.CROSS_WEIGHT)
-        mean_dp = np.mean([dtfm_mix._mix_dp(row, dp) for row in counts])
+        mean_dp = float(np.mean([dtfm_mix._mix_dp(row, dp) for row in counts]))
         return estimate, estimate + dtfm_search._MIX_SLOPE_FEW * mean_dp
 
     (deep_estimate, deep_energy), (shallow_estimate, shallow_energy) = scored(deep), scored(shallow)
