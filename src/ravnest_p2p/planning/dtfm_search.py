@@ -179,7 +179,15 @@ _MIX_FEW_DEVICES = 128
 # (Ratios to the references of the time: 57.235, 68.768 and 45.442 s.)
 _MIX_SLOPE_FEW = 0.3
 _MIX_RACERS = 1
-_MIX_REFINE_START = 0.05
+# The refine starts at this fraction of the calibrated temperature; with wide groups (>= `_WIDE_REPLICAS`
+# replicas) at the second. Session 20, `hard-16x8-s0` (ratios to the 67.971 s reference): 0.05 1.0394
+# 1.0277 1.0221 1.0278 (seeds 20-23; benchmark seeds 0-2: 1.0169 1.0805 1.0392); 0.1 1.0202 1.0039
+# 1.0131 1.0036 1.0107 1.0245 1.0258 1.0226 (seeds 20-27: mean 1.016, 3 of 8 <= 1.02); 0.2 1.0188 1.0245
+# 1.0138 1.0642; 0.02 1.0303 1.0511 1.028 1.0269. `hard-8x8-s0` at 0.1: 1.0073 1.0 1.013 (0.05: 1.0108
+# 1.0135 1.011, seeds 10-12); `hard-8x16-s0` at 0.1: 1.0191 1.0191 1.0113 (0.05: 1.0124 1.0121 1.0064,
+# seeds 10-12): it stays.
+_MIX_REFINE_START = 0.1
+_MIX_REFINE_START_WIDE = 0.05
 _MIX_REFINE_COOL = 0.005
 _MIX_REFINE_SLOPE = 1.0  # constant: the plain race's falling slope (`dtfm_race`) was measured without mixes
 _SAME_SITE_SHARE = 0.5
@@ -363,7 +371,8 @@ def _anneal_search(
         refine_slope = _MIX_SLOPE_FEW if model.num_devices < _MIX_FEW_DEVICES else _MIX_REFINE_SLOPE
         won = race(
             model, random_placement(model.workload, rng) if racers else best, rng,
-            hot=_MIX_REFINE_START if racers else hot, cool_to=_MIX_REFINE_COOL if racers else _COOL_TO,
+            hot=(_MIX_REFINE_START_WIDE if wide else _MIX_REFINE_START) if racers else hot,
+            cool_to=_MIX_REFINE_COOL if racers else _COOL_TO,
             budget_s=config.cpu_budget_s, max_rounds=config.max_generations, out_of_time=out_of_time,
             note=note, clock=clock, started=started, racers=racers, sites=labels,
             same_site_share=_SAME_SITE_SHARE,

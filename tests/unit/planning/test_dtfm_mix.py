@@ -248,6 +248,7 @@ def test_same_site_swaps_keep_every_groups_site_mix() -> None:
 def test_mixes_first_on_every_layout_with_sites(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[float] = []  # the slope of every mix search
     refines: list[object] = []  # the slopes of every refine (the race after it)
+    starts: list[object] = []  # ... and the temperature (a fraction of the calibrated one) it starts at
 
     def counted(*args: object, **kwargs: object) -> list:
         calls.append(kwargs["slope"])  # type: ignore[arg-type]
@@ -255,6 +256,7 @@ def test_mixes_first_on_every_layout_with_sites(monkeypatch: pytest.MonkeyPatch)
 
     def raced(*args: object, **kwargs: object) -> object:
         refines.append(kwargs["slope"])
+        starts.append(kwargs["hot"])
         return race(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(dtfm_mix, "search_mixes", counted)
@@ -274,6 +276,12 @@ def test_mixes_first_on_every_layout_with_sites(monkeypatch: pytest.MonkeyPatch)
         other, _ = _site_model((20, 11, 9, 16, 8), stages, replicas, 6, 0.25)
         hybrid_search(other, SearchConfig(cpu_budget_s=1.0, seed=2), clock=Ticks(0.05))
     assert calls == [few, few, few]
+    wide_start, narrow_start = dtfm_search._MIX_REFINE_START_WIDE, dtfm_search._MIX_REFINE_START
+    assert [starts[0], starts[2], starts[3]] == [
+        wide_start,
+        narrow_start,
+        narrow_start,
+    ]  # 16 / 8 / 4 replicas
     model.check(plain.placement)
     wide, _ = _site_model((40, 22, 18, 32, 16), 8, 16, 6, 0.25)  # 128 devices: slope 1.0 (session 20)
     hybrid_search(wide, SearchConfig(cpu_budget_s=1.0, seed=2), clock=Ticks(0.05))
