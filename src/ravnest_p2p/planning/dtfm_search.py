@@ -33,9 +33,10 @@ restart cycles below do not apply to the compiled search. Results in `docs/plann
 With 2-16 sites found in the matrix (`dtfm_sites.find_cities`; until session 19 only with 16 or more
 replicas per stage), the compiled search first spends a quarter of the budget on the groups' site
 *mixes* (`dtfm_mix`; 8 racing mix annealers, 32 below 128 devices), then anneals a filling of the
-best mix from 0.05x to 0.005x the calibrated temperature with half of the swaps inside a site
-(session 15: the mix decides the basin on wide groups; session 17: one filling, not two racing;
-``mixes_first=False`` skips it).
+best mix from 0.1x (0.05x on wide groups) to 0.005x the calibrated temperature with half of the swaps
+inside a site (session 15: the mix decides the basin on wide groups; session 17: one filling, not two
+racing; session 20: below 128 devices the mix energy and the refine weigh the mean all-reduce 0.3x,
+not 1x; ``mixes_first=False`` skips it).
 
 Noisy networks (no twins) with the CPU-time schedule get a schedule of their own: the old curves (8x8,
 60 s) spent the first third of the hot cycle at temperatures where the best-so-far did not move (a
@@ -166,7 +167,7 @@ _MIX_ANNEALERS = 8
 _MIX_ANNEALERS_FEW = 32
 _MIX_FEW_DEVICES = 128
 # ... with this slope on the mean group all-reduce in the mix energy (`dtfm_mix.MIX_SLOPE`, 1.0, above)
-# and in the refine of the best mix's filling (`_MIX_REFINE_SLOPE`, 1.0, above).
+# and in the refine of the best mix's filling (`_MIX_REFINE_SLOPE`, 1.0, below).
 # Session 20: 1.0 ranked the shallow `hard-8x8-s0` mix (score 52.21: three groups of 7 from its largest
 # city) *below* the deep one (50.94: five groups of 5, every all-reduce slow) that the estimate ranks first
 # (`test_dtfm_mix`). The mix search alone (15 CPU-s, 32 annealers, seeds 5-12) reached 50.94 in 4 of 8
