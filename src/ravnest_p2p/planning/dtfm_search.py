@@ -369,7 +369,7 @@ def _anneal_search(
         filled: Placement | None = None  # the best filling scored while mixes were searched
         if config.mixes_first:
             racers, labels, filled = _mix_racers(model, config, rng, out_of_time, clock, note)
-        refine_slope = _MIX_SLOPE_FEW if model.num_devices < _MIX_FEW_DEVICES else _MIX_REFINE_SLOPE
+        refine_slope = _MIX_SLOPE_FEW if _few_devices(model) else _MIX_REFINE_SLOPE
         won = race(
             model, random_placement(model.workload, rng) if racers else best, rng,
             hot=(_MIX_REFINE_START_WIDE if wide else _MIX_REFINE_START) if racers else hot,
@@ -424,6 +424,11 @@ def _anneal_search(
     return _result(model, best, cycles, proposals, initial_best, clock() - started, curve)
 
 
+def _few_devices(model: CostModel) -> bool:
+    """Below `_MIX_FEW_DEVICES`: 32 mix annealers, and slope `_MIX_SLOPE_FEW` in the mixes and the refine."""
+    return model.num_devices < _MIX_FEW_DEVICES
+
+
 def _mix_racers(
     model: CostModel,
     config: SearchConfig,
@@ -456,7 +461,7 @@ def _mix_racers(
         note((cost, 0.0))
 
     span = _MIX_SHARE * config.cpu_budget_s
-    few = model.num_devices < _MIX_FEW_DEVICES
+    few = _few_devices(model)
     found = search_mixes(
         model, labels, rng, span_s=span, racers=_MIX_ANNEALERS_FEW if few else _MIX_ANNEALERS, clock=clock,
         out_of_time=out_of_time, slope=_MIX_SLOPE_FEW if few else MIX_SLOPE, on_best=on_best,
