@@ -26,17 +26,18 @@ annealers (`dtfm_kernel`, session 13): the same Metropolis search, but over the 
 stage order together (swaps scored along the current order, 10% of the proposals reverse or move
 groups of the order), at ~1-2 us per proposal instead of the Python annealer's 160-190 us (below),
 with a slope on the mean group all-reduce cost in the acceptance (`dtfm_kernel`) that falls from 2x
-to 0.5x over the cooling (session 18; 1x throughout for the refine of a mix, below). Several
+to 0.5x over the cooling (session 18; 0.3x throughout for the refine of a mix, below). Several
 annealers race on one cooling schedule and are halved at 1/2, 3/4, ... of it (`dtfm_race`; how
 many from the measured pace). ``SearchConfig(compiled=False)`` keeps the Python annealer; its
 restart cycles below do not apply to the compiled search. Results in `docs/planning-placement.md`.
 With 2-16 sites found in the matrix (`dtfm_sites.find_cities`; until session 19 only with 16 or more
 replicas per stage), the compiled search first spends a quarter of the budget on the groups' site
-*mixes* (`dtfm_mix`; 8 racing mix annealers, 32 below 128 devices), then anneals a filling of the
-best mix from 0.1x (0.05x on wide groups) to 0.005x the calibrated temperature with half of the swaps
-inside a site (session 15: the mix decides the basin on wide groups; session 17: one filling, not two
-racing; session 20: below 128 devices the mix energy and the refine weigh the mean all-reduce 0.3x,
-not 1x; ``mixes_first=False`` skips it).
+*mixes* (`dtfm_mix`; 8 racing mix annealers, 32 below 128 devices), then races fillings of the two
+best mixes (one on wide groups) from 0.1x (0.05x on wide groups) to 0.005x the calibrated temperature,
+halved at half of the cooling, with half of the swaps inside a site (session 15: the mix decides the
+basin on wide groups; session 17: one filling, not two racing; session 20: below 128 devices the mix
+energy weighs the mean all-reduce 0.3x, not 1x; session 21: the refine 0.3x everywhere, and two racing
+fillings on narrow groups, where a refine freezes by half of its cooling; ``mixes_first=False`` skips it).
 
 Noisy networks (no twins) with the CPU-time schedule get a schedule of their own: the old curves (8x8,
 60 s) spent the first third of the hot cycle at temperatures where the best-so-far did not move (a
@@ -123,6 +124,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -131,6 +133,9 @@ from ravnest_p2p.planning.dtfm_anneal import SwapState, anneal, calibrate_temper
 from ravnest_p2p.planning.dtfm_ga import ga_search
 from ravnest_p2p.planning.dtfm_paths import EXACT_TSP_LIMIT
 from ravnest_p2p.planning.dtfm_structure import find_sites, structured_placements, twin_classes
+
+if TYPE_CHECKING:
+    from ravnest_p2p.planning.dtfm_mix import MixCandidate
 
 __all__ = ["SearchConfig", "SearchResult", "find_sites", "hybrid_search", "structured_placements"]
 
@@ -166,20 +171,31 @@ _MIX_ANNEALERS = 8
 # 57.76 / 57.85 / 57.93 / 57.87, and session 17 found 8 best on 8x16).
 _MIX_ANNEALERS_FEW = 32
 _MIX_FEW_DEVICES = 128
-# ... with this slope on the mean group all-reduce in the mix energy (`dtfm_mix.MIX_SLOPE`, 1.0, above)
-# and in the refine of the best mix's filling (`_MIX_REFINE_SLOPE`, 1.0, below).
+# ... with this slope on the mean group all-reduce in the mix energy (`dtfm_mix.MIX_SLOPE`, 1.0, above).
 # Session 20: 1.0 ranked the shallow `hard-8x8-s0` mix (score 52.21: three groups of 7 from its largest
 # city) *below* the deep one (50.94: five groups of 5, every all-reduce slow) that the estimate ranks first
 # (`test_dtfm_mix`). The mix search alone (15 CPU-s, 32 annealers, seeds 5-12) reached 50.94 in 4 of 8
 # with 1.0, 8 of 8 with 0.3 (and 4 more of 4) or 0; a slope falling from 1.0 to 0.1: 4 of 7. Full 60 s
 # runs with 0.3: the deep mix in 17 of 19. On `hard-8x16-s0` 0.3 is worse: its best mix in 9 of 18 full
 # runs (ratio mean 1.025) against 8 of 8 with 1.0 (1.014); 16x8: 1.013 mean (11 runs), as with 1.0.
-# The refine of a deep 8x8 mix at slope 1.0: 1.0129 1.0038 1.0116 1.0108 1.0 1.0152 1.0003 1.0241 (seeds
-# 10-17); at 0.3: 1.0108 1.0135 1.011 1.0108 1.0108 1.0108 1.0108 1.0121 -- never the best, never a miss.
-# On 16x8 the refine at 0.3 was worse (1.0165 1.0203 1.028 against 1.016 1.0093 1.0148, seeds 0-2).
 # (Ratios to the references of the time: 57.235, 68.768 and 45.442 s.)
 _MIX_SLOPE_FEW = 0.3
-_MIX_RACERS = 1
+# The refine races fillings of this many of the best distinct mixes (halved at half of its cooling: the
+# basin is chosen by then, ~0.02x the calibrated temperature, where a refine freezes), one with wide groups.
+# Session 21, `hard-16x8-s0` (refine at slope 0.3, ratios to the 67.971 s reference): one mix, seeds 40-55,
+# mean 1.0164, 10 of 16 <= 1.02; two 1.0081 1.0143 1.0063 1.0135 1.026 1.0064 1.0034 1.0164
+# 1.0093 1.0118 1.0143 1.0162 1.0249 1.014 1.0106 1.0638 1.0188 1.0114 1.0058 1.0073 1.0045 1.0134 1.0095
+# 1.0133 (seeds 40-63): mean 1.0143, 21 of 24 (the 1.0249 and 1.0638 from missed mixes, scores 59.75 and
+# 60.2 against 57.6-58.9). `hard-8x16-s0`
+# with two: 1.0344 1.0411 1.0156 1.0584 1.0225 1.0048 1.0206 1.0171 (seeds 40-47; one: 1.0088 1.0087
+# 1.0149 1.0045 1.0124 1.0098 1.0315 1.0043).
+_MIX_RACERS = 2
+_MIX_RACERS_WIDE = 1
+# ... but only a mix that scores within this fraction of the best: the estimate cannot tell those apart,
+# and the refine reshapes their lanes anyway. Further apart the better estimate is the one to refine
+# (`hard-8x8-s0`: the deep mix 50.94 against the shallow 52.21, 2.5%; session 21 with two racing: 1.0379
+# once, the deep mix raced and lost at the halving; with one, none of 15 runs that found the deep mix).
+_MIX_RACE_GAP = 0.01
 # The refine starts at this fraction of the calibrated temperature; with wide groups (>= `_WIDE_REPLICAS`
 # replicas) at the second. Session 20, `hard-16x8-s0` (ratios to the 67.971 s reference): 0.05 1.0394
 # 1.0277 1.0221 1.0278 (seeds 20-23; benchmark seeds 0-2: 1.0169 1.0805 1.0392); 0.1 1.0202 1.0039
@@ -190,7 +206,16 @@ _MIX_RACERS = 1
 _MIX_REFINE_START = 0.1
 _MIX_REFINE_START_WIDE = 0.05
 _MIX_REFINE_COOL = 0.005
-_MIX_REFINE_SLOPE = 1.0  # constant: the plain race's falling slope (`dtfm_race`) was measured without mixes
+# The refine's slope on the mean group all-reduce (constant: the plain race's falling slope, `dtfm_race`,
+# was measured without mixes). Session 20 set 0.3 below 128 devices (`hard-8x8-s0`, seeds 10-17: 1.0 1.0129
+# 1.0038 1.0116 1.0108 1.0 1.0152 1.0003 1.0241; 0.3 1.0108 1.0135 1.011 1.0108 1.0108 1.0108 1.0108
+# 1.0121). Session 21, everywhere: a refine of the 16x8 reference's own mix (40 M proposals from 0.1x to
+# 0.005x, seeds 0-7) reached 1.0196x the reference at slope 1.0 (mean), 1.0121 at 0.3, 1.0147 at 0; full
+# 60 s runs of `hard-8x16-s0`: 1.0 1.0253 1.0378 1.0082 1.0052 1.0205 1.007 1.0481 1.0143 (seeds 40-47,
+# mean 1.021, 4 of 8 <= 1.02), 0.3 1.0088 1.0087 1.0149 1.0045 1.0124 1.0098 1.0315 1.0043 1.0097 1.0023
+# 1.0109 1.0043 1.0028 1.0092 1.0075 1.0153 (seeds 40-55: 1.010, 15 of 16); `hard-16x8-s0` (one mix,
+# seeds 40-47): 1.0 mean 1.017 (7 of 8), 0.3 1.016 (5 of 8).
+_MIX_REFINE_SLOPE = 0.3
 _SAME_SITE_SHARE = 0.5
 _MAX_MIX_SITES = 16
 _NOISY_FIRST_SHARE = 0.8
@@ -369,7 +394,6 @@ def _anneal_search(
         filled: Placement | None = None  # the best filling scored while mixes were searched
         if config.mixes_first:
             racers, labels, filled = _mix_racers(model, config, rng, out_of_time, clock, note)
-        refine_slope = _MIX_SLOPE_FEW if _few_devices(model) else _MIX_REFINE_SLOPE
         won = race(
             model, random_placement(model.workload, rng) if racers else best, rng,
             hot=(_MIX_REFINE_START_WIDE if wide else _MIX_REFINE_START) if racers else hot,
@@ -377,7 +401,7 @@ def _anneal_search(
             budget_s=config.cpu_budget_s, max_rounds=config.max_generations, out_of_time=out_of_time,
             note=note, clock=clock, started=started, racers=racers, sites=labels,
             same_site_share=_SAME_SITE_SHARE,
-            slope=(refine_slope, refine_slope) if racers else None,
+            slope=(_MIX_REFINE_SLOPE, _MIX_REFINE_SLOPE) if racers else None,
         )  # fmt: skip
         final = won.placement if filled is None else min(won.placement, filled, key=model.cost)
         return _result(model, final, won.rounds, won.proposals, initial_best, clock() - started, curve)
@@ -425,7 +449,7 @@ def _anneal_search(
 
 
 def _few_devices(model: CostModel) -> bool:
-    """Below `_MIX_FEW_DEVICES`: 32 mix annealers, and slope `_MIX_SLOPE_FEW` in the mixes and the refine."""
+    """Below `_MIX_FEW_DEVICES`: 32 mix annealers, and slope `_MIX_SLOPE_FEW` in the mix energy."""
     return model.num_devices < _MIX_FEW_DEVICES
 
 
@@ -466,11 +490,22 @@ def _mix_racers(
         model, labels, rng, span_s=span, racers=_MIX_ANNEALERS_FEW if few else _MIX_ANNEALERS, clock=clock,
         out_of_time=out_of_time, slope=_MIX_SLOPE_FEW if few else MIX_SLOPE, on_best=on_best,
     )  # fmt: skip
-    distinct = [c for k, c in enumerate(found) if k == 0 or c.score > found[k - 1].score]
-    chosen = distinct[:_MIX_RACERS]
-    while chosen and len(chosen) & (len(chosen) - 1):
-        chosen.pop()
+    chosen = _raced_mixes(found, wide=model.workload.num_replicas >= _WIDE_REPLICAS)
     return tuple(fill_mix(labels, c.counts, rng) for c in chosen), labels, (filled[0][1] if filled else None)
+
+
+def _raced_mixes(found: Sequence[MixCandidate], *, wide: bool) -> list[MixCandidate]:
+    """The mixes whose fillings race in the refine: the best of ``found`` (sorted by score), and on narrow
+    groups the next distinct one too when it scores within `_MIX_RACE_GAP` of it (a power of two of them)."""
+    distinct = [c for k, c in enumerate(found) if k == 0 or c.score > found[k - 1].score]
+    chosen = [
+        c
+        for c in distinct[: _MIX_RACERS_WIDE if wide else _MIX_RACERS]
+        if c.score <= distinct[0].score * (1.0 + _MIX_RACE_GAP)
+    ]
+    while len(chosen) & (len(chosen) - 1):
+        chosen.pop()
+    return chosen
 
 
 def _schedule(

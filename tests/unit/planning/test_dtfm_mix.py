@@ -21,6 +21,7 @@ from ravnest_p2p.planning import (
 from ravnest_p2p.planning.dtfm import bottleneck_matching
 from ravnest_p2p.planning.dtfm_kernel import KernelState, seed
 from ravnest_p2p.planning.dtfm_mix import (
+    MixCandidate,
     _boundary,
     _crossings,
     _memo_edge,
@@ -249,6 +250,7 @@ def test_mixes_first_on_every_layout_with_sites(monkeypatch: pytest.MonkeyPatch)
     calls: list[float] = []  # the slope of every mix search
     refines: list[object] = []  # the slopes of every refine (the race after it)
     starts: list[object] = []  # ... and the temperature (a fraction of the calibrated one) it starts at
+    fillings: list[int] = []  # ... and how many fillings (of distinct mixes) race in it
 
     def counted(*args: object, **kwargs: object) -> list:
         calls.append(kwargs["slope"])  # type: ignore[arg-type]
@@ -257,15 +259,17 @@ def test_mixes_first_on_every_layout_with_sites(monkeypatch: pytest.MonkeyPatch)
     def raced(*args: object, **kwargs: object) -> object:
         refines.append(kwargs["slope"])
         starts.append(kwargs["hot"])
+        fillings.append(len(kwargs["racers"]))  # type: ignore[arg-type]
         return race(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(dtfm_mix, "search_mixes", counted)
     monkeypatch.setattr(dtfm_race, "race", raced)
     few, many = dtfm_search._MIX_SLOPE_FEW, dtfm_mix.MIX_SLOPE
+    refine = (dtfm_search._MIX_REFINE_SLOPE,) * 2  # the refine's, on every layout (session 21)
     model, _ = _site_model((20, 11, 9, 16, 8), 4, 16, 6, 0.25)
     mixed = hybrid_search(model, SearchConfig(cpu_budget_s=1.0, seed=2), clock=Ticks(0.05))
-    assert calls == [few]  # 64 devices: the slope of few devices, in the mix search and its refine
-    assert refines == [(few, few)]
+    assert calls == [few]  # 64 devices: the slope of few devices in the mix search
+    assert refines == [refine]
     model.check(mixed.placement)
     assert mixed.cost == pytest.approx(model.cost(mixed.placement), rel=1e-12)
     assert mixed.cost < mixed.initial_best_cost
@@ -282,11 +286,32 @@ def test_mixes_first_on_every_layout_with_sites(monkeypatch: pytest.MonkeyPatch)
         narrow_start,
         narrow_start,
     ]  # 16 / 8 / 4 replicas
+    # wide groups: one filling (`test_two_close_mixes_race_on_narrow_groups`); the plain race: none
+    assert fillings[:2] == [1, 0]
+    assert set(fillings[2:]) <= {1, 2}
     model.check(plain.placement)
     wide, _ = _site_model((40, 22, 18, 32, 16), 8, 16, 6, 0.25)  # 128 devices: slope 1.0 (session 20)
     hybrid_search(wide, SearchConfig(cpu_budget_s=1.0, seed=2), clock=Ticks(0.05))
     assert calls[-1] == many
-    assert refines[-1] == (dtfm_search._MIX_REFINE_SLOPE,) * 2
+    assert refines[-1] == refine
+
+
+def test_two_close_mixes_race_on_narrow_groups() -> None:
+    def mixes(*scores: float) -> list[MixCandidate]:
+        return [
+            MixCandidate(score, np.full((2, 2), k), np.arange(2), score) for k, score in enumerate(scores)
+        ]
+
+    raced = dtfm_search._raced_mixes
+    gap = dtfm_search._MIX_RACE_GAP
+    assert dtfm_search._MIX_RACERS == 2
+    assert dtfm_search._MIX_RACERS_WIDE == 1
+    close = mixes(50.0, 50.0, 50.0 * (1 + gap / 2), 50.1)  # the tie is one mix, the next distinct is close
+    assert [c.score for c in raced(close, wide=False)] == [50.0, 50.0 * (1 + gap / 2)]
+    assert [c.score for c in raced(close, wide=True)] == [50.0]  # wide groups: the best only
+    apart = mixes(50.94, 52.21, 52.3)  # `hard-8x8-s0`: the deep mix, then the shallow one 2.5% above
+    assert [c.score for c in raced(apart, wide=False)] == [50.94]
+    assert [c.score for c in raced(mixes(41.4), wide=False)] == [41.4]
 
 
 def test_the_best_so_far_moves_while_mixes_are_searched(monkeypatch: pytest.MonkeyPatch) -> None:
