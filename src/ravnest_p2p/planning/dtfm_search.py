@@ -32,12 +32,14 @@ many from the measured pace). ``SearchConfig(compiled=False)`` keeps the Python 
 restart cycles below do not apply to the compiled search. Results in `docs/planning-placement.md`.
 With 2-16 sites found in the matrix (`dtfm_sites.find_cities`; until session 19 only with 16 or more
 replicas per stage), the compiled search first spends a quarter of the budget on the groups' site
-*mixes* (`dtfm_mix`; 8 racing mix annealers, 32 below 128 devices), then races fillings of the two
-best mixes (one on wide groups) from 0.1x (0.05x on wide groups) to 0.005x the calibrated temperature,
-halved at half of the cooling, with half of the swaps inside a site (session 15: the mix decides the
-basin on wide groups; session 17: one filling, not two racing; session 20: below 128 devices the mix
-energy weighs the mean all-reduce 0.3x, not 1x; session 21: the refine 0.3x everywhere, and two racing
-fillings on narrow groups, where a refine freezes by half of its cooling; ``mixes_first=False`` skips it).
+*mixes* (`dtfm_mix`; 8 racing mix annealers; below 128 devices 32 of them in half of the budget), then
+races fillings of the two best mixes (one on wide groups) from 0.1x (0.05x on wide groups) to 0.005x
+the calibrated temperature, halved at half of the cooling, with half of the swaps inside a site
+(session 15: the mix decides the basin on wide groups; session 17: one filling, not two racing;
+session 20: below 128 devices the mix energy weighs the mean all-reduce 0.3x, not 1x; session 21: the
+refine 0.3x everywhere, two racing fillings of close mixes on narrow groups, where a refine freezes by
+half of its cooling, and half of the budget for the mixes of 64 devices; ``mixes_first=False`` skips
+it).
 
 Noisy networks (no twins) with the CPU-time schedule get a schedule of their own: the old curves (8x8,
 60 s) spent the first third of the hot cycle at temperatures where the best-so-far did not move (a
@@ -171,6 +173,10 @@ _MIX_ANNEALERS = 8
 # 57.76 / 57.85 / 57.93 / 57.87, and session 17 found 8 best on 8x16).
 _MIX_ANNEALERS_FEW = 32
 _MIX_FEW_DEVICES = 128
+# ... in this share of the budget (session 21, the mix search alone at slope 0.3 on `hard-8x8-s0`, seeds
+# 300-319: 15 CPU-s reached the deep mix in 17 of 20, 22.5 s in 19, 30 s in 20; 64 annealers in 15 s: 15
+# of 20). A refine of 64 devices finds its best in 20-25 CPU-s (it freezes by half of its cooling).
+_MIX_SHARE_FEW = 0.5
 # ... with this slope on the mean group all-reduce in the mix energy (`dtfm_mix.MIX_SLOPE`, 1.0, above).
 # Session 20: 1.0 ranked the shallow `hard-8x8-s0` mix (score 52.21: three groups of 7 from its largest
 # city) *below* the deep one (50.94: five groups of 5, every all-reduce slow) that the estimate ranks first
@@ -449,7 +455,8 @@ def _anneal_search(
 
 
 def _few_devices(model: CostModel) -> bool:
-    """Below `_MIX_FEW_DEVICES`: 32 mix annealers, and slope `_MIX_SLOPE_FEW` in the mix energy."""
+    """Below `_MIX_FEW_DEVICES`: 32 mix annealers, `_MIX_SHARE_FEW` of the budget, and slope
+    `_MIX_SLOPE_FEW` in the mix energy."""
     return model.num_devices < _MIX_FEW_DEVICES
 
 
@@ -484,8 +491,8 @@ def _mix_racers(
             filled[:] = [(cost, placement)]
         note((cost, 0.0))
 
-    span = _MIX_SHARE * config.cpu_budget_s
     few = _few_devices(model)
+    span = (_MIX_SHARE_FEW if few else _MIX_SHARE) * config.cpu_budget_s
     found = search_mixes(
         model, labels, rng, span_s=span, racers=_MIX_ANNEALERS_FEW if few else _MIX_ANNEALERS, clock=clock,
         out_of_time=out_of_time, slope=_MIX_SLOPE_FEW if few else MIX_SLOPE, on_best=on_best,
