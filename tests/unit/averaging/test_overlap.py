@@ -74,11 +74,24 @@ async def test_round_applies_the_average_plus_the_local_progress_made_meanwhile(
 
         averager._snapshot = snapshot
 
+    # the rings wait until the training step is done, so it falls between every snapshot and every apply
+    # (session 21: without the gate, on a busy host one apply in the compute thread raced the step and
+    # lost it)
+    trained = asyncio.Event()
+    for averager in averagers.values():
+
+        async def gated(*args, reduce=averager._all_reduce, **kwargs):
+            await trained.wait()
+            return await reduce(*args, **kwargs)
+
+        averager._all_reduce = gated
+
     async def train_meanwhile():
-        await wait_until(lambda: set(snapshots) == set(live), timeout_s=30)  # the rings are running now
+        await wait_until(lambda: set(snapshots) == set(live), timeout_s=30)  # every snapshot is taken
         for params in live.values():
             for value in params.values():
                 value.add_(1.0)
+        trained.set()
 
     results = await asyncio.gather(*(a.run_round(0) for a in averagers.values()), train_meanwhile())
     assert all(m is not None and m.rings for m in results[:-1])
