@@ -189,12 +189,11 @@ _MIX_SLOPE_FEW = 0.3
 # The refine races fillings of this many of the best distinct mixes (halved at half of its cooling: the
 # basin is chosen by then, ~0.02x the calibrated temperature, where a refine freezes), one with wide groups.
 # Session 21, `hard-16x8-s0` (refine at slope 0.3, ratios to the 67.971 s reference): one mix, seeds 40-55,
-# mean 1.0164, 10 of 16 <= 1.02; two 1.0081 1.0143 1.0063 1.0135 1.026 1.0064 1.0034 1.0164
-# 1.0093 1.0118 1.0143 1.0162 1.0249 1.014 1.0106 1.0638 1.0188 1.0114 1.0058 1.0073 1.0045 1.0134 1.0095
-# 1.0133 (seeds 40-63): mean 1.0143, 21 of 24 (the 1.0249 and 1.0638 from missed mixes, scores 59.75 and
-# 60.2 against 57.6-58.9). `hard-8x16-s0`
-# with two: 1.0344 1.0411 1.0156 1.0584 1.0225 1.0048 1.0206 1.0171 (seeds 40-47; one: 1.0088 1.0087
-# 1.0149 1.0045 1.0124 1.0098 1.0315 1.0043).
+# mean 1.0164, 10 of 16 <= 1.02; two 1.0081 1.0143 1.0063 1.0135 1.026 1.0064 1.0034 1.0164 1.0093 1.0118
+# 1.0143 1.0162 1.0249 1.014 1.0106 1.0638 1.0188 1.0114 1.0058 1.0073 1.0045 1.0134 1.0095 1.0133 (seeds
+# 40-63): mean 1.0143, 21 of 24 (the 1.0249 and 1.0638 from missed mixes, scores 59.75 and 60.2 against
+# 57.6-58.9). `hard-8x16-s0` with two: 1.0344 1.0411 1.0156 1.0584 1.0225 1.0048 1.0206 1.0171 (seeds
+# 40-47; one: 1.0088 1.0087 1.0149 1.0045 1.0124 1.0098 1.0315 1.0043).
 _MIX_RACERS = 2
 _MIX_RACERS_WIDE = 1
 # ... but only a mix that scores within this fraction of the best: the estimate cannot tell those apart,
@@ -399,7 +398,7 @@ def _anneal_search(
         labels: np.ndarray | None = None
         filled: Placement | None = None  # the best filling scored while mixes were searched
         if config.mixes_first:
-            racers, labels, filled = _mix_racers(model, config, rng, out_of_time, clock, note)
+            racers, labels, filled = _mix_racers(model, config, rng, out_of_time, clock, note, wide=wide)
         won = race(
             model, random_placement(model.workload, rng) if racers else best, rng,
             hot=(_MIX_REFINE_START_WIDE if wide else _MIX_REFINE_START) if racers else hot,
@@ -467,6 +466,8 @@ def _mix_racers(
     out_of_time: Callable[[], bool],
     clock: Callable[[], float],
     note: Callable[[tuple[float, float]], None],
+    *,
+    wide: bool,
 ) -> tuple[tuple[Placement, ...], np.ndarray | None, Placement | None]:
     """Fillings of the best site mixes (`dtfm_mix`), the site labels, and the best filling scored on the
     way; none without 2-16 sites.
@@ -497,7 +498,7 @@ def _mix_racers(
         model, labels, rng, span_s=span, racers=_MIX_ANNEALERS_FEW if few else _MIX_ANNEALERS, clock=clock,
         out_of_time=out_of_time, slope=_MIX_SLOPE_FEW if few else MIX_SLOPE, on_best=on_best,
     )  # fmt: skip
-    chosen = _raced_mixes(found, wide=model.workload.num_replicas >= _WIDE_REPLICAS)
+    chosen = _raced_mixes(found, wide=wide)
     return tuple(fill_mix(labels, c.counts, rng) for c in chosen), labels, (filled[0][1] if filled else None)
 
 

@@ -123,15 +123,16 @@ async def test_twelve_peers_agree_replan_after_crash_and_ignore_a_liar():
         # first read can miss a record the peers already see (session 21: "11 clusters" of 12, once), so
         # it is polled until it shows the whole plan, and the last view read is checked.
         expected = f"epoch {plan.epoch}: {len(plan.clusters)} clusters"
-        views: list[tuple[int, dict[str, str], str]] = []
+        epoch, shown = -1, ""
+        digests: dict[str, str] = {}
 
         async def status_shows_the_plan() -> bool:
+            nonlocal epoch, digests, shown
             records, epoch, digests = await fetch_run(first.maddrs, "membership-it")
-            views.append((epoch, digests, format_plan(records, epoch, digests)))
-            return expected in views[-1][2]
+            shown = format_plan(records, epoch, digests)
+            return expected in shown
 
         await wait_until(status_shows_the_plan, 30, message="the status view shows the agreed plan")
-        epoch, digests, shown = views[-1]
         assert epoch == plan.epoch
         assert digests.get(first.peer_id) == plan.digest()
         assert expected in shown
