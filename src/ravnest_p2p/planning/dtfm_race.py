@@ -57,12 +57,19 @@ class RaceOutcome:
     proposals: int
 
 
-def race_rounds(racers: int) -> list[tuple[float, float, int]]:
-    """(cooling progress where a round starts, its length, annealers in it): halved at 1/2, 3/4, ..."""
+def race_rounds(racers: int, first: float | None = None) -> list[tuple[float, float, int]]:
+    """(cooling progress where a round starts, its length, annealers in it): halved at 1/2, 3/4, ...; or,
+    with ``first``, at ``first``, 2 x ``first``, 4 x ``first``, ... (early halvings, for refines that
+    choose their basin early in the cooling)."""
     rounds, alive, begin = [], racers, 0.0
     while alive > 1:
-        rounds.append((begin, (1.0 - begin) / 2, alive))
-        begin, alive = begin + (1.0 - begin) / 2, alive // 2
+        end = begin + (1.0 - begin) / 2  # halved at 1/2, 3/4, ...
+        if first is not None:
+            end = first if begin == 0.0 else 2 * begin
+        if end >= 1.0:
+            raise ValueError(f"{racers} annealers cannot halve from {first} of the cooling on")
+        rounds.append((begin, end - begin, alive))
+        begin, alive = end, alive // 2
     rounds.append((begin, 1.0 - begin, 1))
     return rounds
 
@@ -103,6 +110,7 @@ def race(
     sites: np.ndarray | None = None,
     same_site_share: float = 0.0,
     slope: tuple[float, float] | None = None,
+    halve_at: float | None = None,
 ) -> RaceOutcome:
     """Race annealers from ``start`` and random placements until ``out_of_time`` or the cooling ends.
 
@@ -118,6 +126,8 @@ def race(
             the annealer's stage order).
         slope: the energy's slope on the mean group all-reduce as the cooling starts and as it ends
             (default: `DP_SLOPE` to `DP_SLOPE` x `SLOPE_END`).
+        halve_at: the first halving's progress through the cooling, the next ones at its doubles
+            (`race_rounds`; default: halved at 1/2, 3/4, ...).
     """
     hot_slope, cool_slope = slope if slope is not None else (DP_SLOPE, DP_SLOPE * SLOPE_END)
     seed(int(rng.integers(2**31)))
@@ -153,7 +163,7 @@ def race(
             racer(random_placement(model.workload, rng), tuple(range(stages)))
             for _ in range(1, racer_count(budget * rate, model.num_devices))
         ]
-    rounds = race_rounds(len(states))
+    rounds = race_rounds(len(states), halve_at)
     units = sum(length * count for _, length, count in rounds)
     chunk, proposals, ran = 1_000, 1 + PACE_PROPOSALS, 0
     for lo, length, count in rounds:

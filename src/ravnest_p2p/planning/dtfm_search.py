@@ -38,8 +38,9 @@ the calibrated temperature, halved at half of the cooling, with half of the swap
 (session 15: the mix decides the basin on wide groups; session 17: one filling, not two racing;
 session 20: below 128 devices the mix energy weighs the mean all-reduce 0.3x, not 1x; session 21: the
 refine 0.3x everywhere, two racing fillings of close mixes on narrow groups, where a refine freezes by
-half of its cooling, and half of the budget for the mixes of 64 devices; ``mixes_first=False`` skips
-it).
+half of its cooling, and half of the budget for the mixes of 64 devices; session 22: on wide groups
+four fillings of the best mix, halved at 1/10 and 2/10 of the cooling, where their refines freeze;
+``mixes_first=False`` skips it).
 
 Noisy networks (no twins) with the CPU-time schedule get a schedule of their own: the old curves (8x8,
 60 s) spent the first third of the hot cycle at temperatures where the best-so-far did not move (a
@@ -201,6 +202,16 @@ _MIX_RACERS_WIDE = 1
 # (`hard-8x8-s0`: the deep mix 50.94 against the shallow 52.21, 2.5%; session 21 with two racing: 1.0379
 # once, the deep mix raced and lost at the halving; with one, none of 15 runs that found the deep mix).
 _MIX_RACE_GAP = 0.01
+# Each raced mix races this many random fillings (with wide groups: the second), the first halving at this
+# progress through the cooling (None: at 1/2, 3/4, ...; `dtfm_race.race_rounds`), the next ones at its
+# doubles. Session 22, the refine alone of the `hard-8x16-s0` reference's mix (random fillings, 0.05x ->
+# 0.005x, slope 0.3): most fillings freeze by 10-20% of the cooling, and where they freeze is the lottery
+# -- 15 M proposals: 6 of 29 fillings ended above 1.02x (1.0215-1.0533), 30 M: 4 of 13; each one's
+# cost at 10% of the cooling already ranks it (best of 4 at 10%, bootstrapped: none above 1.02x).
+_MIX_FILLINGS = 1
+_MIX_FILLINGS_WIDE = 4
+_MIX_HALVE_AT: float | None = None
+_MIX_HALVE_AT_WIDE: float | None = 0.1
 # The refine starts at this fraction of the calibrated temperature; with wide groups (>= `_WIDE_REPLICAS`
 # replicas) at the second. Session 20, `hard-16x8-s0` (ratios to the 67.971 s reference): 0.05 1.0394
 # 1.0277 1.0221 1.0278 (seeds 20-23; benchmark seeds 0-2: 1.0169 1.0805 1.0392); 0.1 1.0202 1.0039
@@ -407,6 +418,7 @@ def _anneal_search(
             note=note, clock=clock, started=started, racers=racers, sites=labels,
             same_site_share=_SAME_SITE_SHARE,
             slope=(_MIX_REFINE_SLOPE, _MIX_REFINE_SLOPE) if racers else None,
+            halve_at=(_MIX_HALVE_AT_WIDE if wide else _MIX_HALVE_AT) if racers else None,
         )  # fmt: skip
         final = won.placement if filled is None else min(won.placement, filled, key=model.cost)
         return _result(model, final, won.rounds, won.proposals, initial_best, clock() - started, curve)
@@ -499,7 +511,9 @@ def _mix_racers(
         out_of_time=out_of_time, slope=_MIX_SLOPE_FEW if few else MIX_SLOPE, on_best=on_best,
     )  # fmt: skip
     chosen = _raced_mixes(found, wide=wide)
-    return tuple(fill_mix(labels, c.counts, rng) for c in chosen), labels, (filled[0][1] if filled else None)
+    fillings = _MIX_FILLINGS_WIDE if wide else _MIX_FILLINGS
+    racers = tuple(fill_mix(labels, c.counts, rng) for c in chosen for _ in range(fillings))
+    return racers, labels, (filled[0][1] if filled else None)
 
 
 def _raced_mixes(found: Sequence[MixCandidate], *, wide: bool) -> list[MixCandidate]:

@@ -152,6 +152,11 @@ def test_race_rounds_halve_the_annealers_and_cover_the_cooling_once() -> None:
         rounds = race_rounds(racers)
         assert sum(length for _, length, _ in rounds) == pytest.approx(1.0)
         assert [count for _, _, count in rounds] == [racers >> k for k in range(len(rounds))]
+    # early halvings: at a tenth of the cooling, then at its doubles
+    assert race_rounds(4, 0.1) == [(0.0, 0.1, 4), (0.1, 0.1, 2), (0.2, 0.8, 1)]
+    assert race_rounds(1, 0.1) == [(0.0, 1.0, 1)]
+    with pytest.raises(ValueError, match="cannot halve"):
+        race_rounds(4, 0.5)  # the second halving would come at the end of the cooling
 
 
 def test_racers_leave_each_surviving_annealer_its_share_of_proposals() -> None:

@@ -250,7 +250,8 @@ def test_mixes_first_on_every_layout_with_sites(monkeypatch: pytest.MonkeyPatch)
     calls: list[float] = []  # the slope of every mix search
     refines: list[object] = []  # the slopes of every refine (the race after it)
     starts: list[object] = []  # ... and the temperature (a fraction of the calibrated one) it starts at
-    fillings: list[int] = []  # ... and how many fillings (of distinct mixes) race in it
+    fillings: list[int] = []  # ... and how many fillings race in it
+    halvings: list[object] = []  # ... and where the first halving is
 
     def counted(*args: object, **kwargs: object) -> list:
         calls.append(kwargs["slope"])  # type: ignore[arg-type]
@@ -260,6 +261,7 @@ def test_mixes_first_on_every_layout_with_sites(monkeypatch: pytest.MonkeyPatch)
         refines.append(kwargs["slope"])
         starts.append(kwargs["hot"])
         fillings.append(len(kwargs["racers"]))  # type: ignore[arg-type]
+        halvings.append(kwargs["halve_at"])
         return race(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(dtfm_mix, "search_mixes", counted)
@@ -286,9 +288,15 @@ def test_mixes_first_on_every_layout_with_sites(monkeypatch: pytest.MonkeyPatch)
         narrow_start,
         narrow_start,
     ]  # 16 / 8 / 4 replicas
-    # wide groups: one filling (`test_two_close_mixes_race_on_narrow_groups`); the plain race: none
-    assert fillings[:2] == [1, 0]
+    # wide groups: the best mix (`test_two_close_mixes_race_on_narrow_groups`) in four fillings, halved
+    # from a tenth of the cooling on (session 22); narrow groups: one filling of each of one or two
+    # mixes, halved at half; the plain race: none, halved at half
+    assert dtfm_search._MIX_FILLINGS_WIDE == 4
+    assert fillings[:2] == [4, 0]
+    assert halvings[:2] == [dtfm_search._MIX_HALVE_AT_WIDE, None]
+    assert dtfm_search._MIX_HALVE_AT_WIDE == 0.1
     assert set(fillings[2:]) <= {1, 2}
+    assert halvings[2:] == [None, None]
     model.check(plain.placement)
     wide, _ = _site_model((40, 22, 18, 32, 16), 8, 16, 6, 0.25)  # 128 devices: slope 1.0 (session 20)
     hybrid_search(wide, SearchConfig(cpu_budget_s=1.0, seed=2), clock=Ticks(0.05))
