@@ -38,7 +38,7 @@ import numpy as np
 from ravnest_p2p.planning.dtfm import CostModel, Placement, random_placement
 from ravnest_p2p.planning.dtfm_kernel import KernelState, seed
 
-__all__ = ["RaceOutcome", "race", "race_rounds", "racer_count", "slope_at"]
+__all__ = ["RaceOutcome", "calibrate", "race", "race_rounds", "racer_count", "slope_at"]
 
 ORDER_SHARE = 0.1  # share of proposals that change the stage order
 DP_SLOPE = 2.0  # the energy's weight on the mean group all-reduce cost as the cooling starts (best: by cost)
@@ -46,6 +46,16 @@ SLOPE_END = 0.25  # ... and as it ends, as a fraction of DP_SLOPE (geometric in 
 ANNEAL_PROPOSALS = 800  # proposals per device^2 the surviving annealer should get
 MAX_RACERS = 16
 PACE_PROPOSALS = 20_000  # hot proposals on the first annealer that measure the pace
+# Random layouts whose swaps calibrate the temperature of a race given its racers (the mixes-first refine).
+# Session 22: the median uphill swap of one random layout varies 0.3-1.9x its mean between seeds
+# (coefficient of variation 0.36 on `hard-16x8-s0`, 0.41 on 8x16, 0.38 on 8x8, 40 seeds; 4,000 swaps
+# instead of 500: 0.27 / 0.40 / 0.40; pooled over 8 layouts 0.15 / 0.12 / 0.17, over 16 0.105 on 16x8),
+# so a refine "from 0.1x" starts anywhere from ~0.03x to ~0.2x of the typical temperature. Pooled over 16
+# layouts, the refine was not better (60 s CPU, seeds 80-87/91): 16x8 from 0.05x 1.0277 mean (1 of 8 <=
+# 1.02x), 0.1x 1.0231 (4 of 12), 0.2x 1.0156 (6 of 8), 0.3x 1.0158 / 0.4x 1.0203 (4 seeds each), against
+# 1.0157 (9 of 12) with one layout; 8x16 (0.05x) 4 of 6 against 12 of 12. The schedules' fractions were
+# tuned on the noisy scale, so it stays at one layout until they are tuned again on a stable one.
+CALIBRATION_LAYOUTS = 1
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,16 @@ def slope_at(progress: float, hot: float, cool: float) -> float:
     if hot <= 0.0 or cool <= 0.0:
         return hot + (cool - hot) * progress
     return hot * (cool / hot) ** progress
+
+
+def calibrate(layouts: Sequence[KernelState], swaps: int = 500) -> float:
+    """The temperature at which the median uphill swap of ``layouts`` (``swaps`` random ones on each,
+    none applied) is accepted half the time; 1/1000 of the first one's cost if no swap goes uphill."""
+    deltas = np.concatenate([layout.swap_deltas(swaps) for layout in layouts])
+    uphill = deltas[deltas > 0]
+    if not len(uphill):
+        return 1e-3 * max(layouts[0].cost, 1e-9)
+    return float(np.median(uphill)) / math.log(2.0)
 
 
 def race(
@@ -145,11 +165,13 @@ def race(
         )
 
     states = [racer(start, model.pp_cost(start)[1])]
-    uphill = states[0].swap_deltas(500)
-    uphill = uphill[uphill > 0]
-    temperature = (
-        float(np.median(uphill)) / math.log(2.0) if len(uphill) else 1e-3 * max(states[0].cost, 1e-9)
-    )
+    probes = [states[0]]
+    if racers:  # the start only calibrates: more random layouts with it (`CALIBRATION_LAYOUTS`)
+        probes += [
+            racer(random_placement(model.workload, rng), tuple(range(stages)))
+            for _ in range(CALIBRATION_LAYOUTS - 1)
+        ]
+    temperature = calibrate(probes)
     first, last = temperature * hot, temperature * cool_to
     states[0].run(1, first, first, ORDER_SHARE)  # compiles on a fresh install: not part of the pace
     tick = clock()

@@ -31,7 +31,7 @@ from ravnest_p2p.planning.dtfm_mix import (
     mix_estimate,
     search_mixes,
 )
-from ravnest_p2p.planning.dtfm_race import race
+from ravnest_p2p.planning.dtfm_race import calibrate, race
 from ravnest_p2p.planning.dtfm_sites import _k_levels, find_cities, matched_levels, site_matrices
 from tests.unit.planning.helpers import Ticks
 
@@ -378,3 +378,39 @@ def test_the_searched_energy_ranks_the_deep_8x8_mix_first_as_the_estimate_does()
     assert deep_estimate == pytest.approx(50.94, abs=0.01)
     assert shallow_estimate == pytest.approx(52.21, abs=0.01)
     assert deep_energy < shallow_energy
+
+
+def test_the_refine_calibrates_on_its_random_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # one random layout's median uphill swap is a noisy temperature: on `hard-8x8-s0` it varies by a
+    # factor of ~4 between seeds, pooled over 16 layouts by much less (session 22; the refine keeps one
+    # layout, `dtfm_race.CALIBRATION_LAYOUTS`, until its schedule is tuned on the stable scale)
+    model = make_case(8, 8, 0).model()
+    labels = find_cities(model)
+
+    def temperatures(layouts: int) -> np.ndarray:
+        out = []
+        for value in range(12):
+            rng = np.random.default_rng(value)
+            seed(value)
+            pp, dp, order = model.pp_weights, model.dp_weights, tuple(range(8))
+            drawn = [random_placement(model.workload, rng) for _ in range(layouts)]
+            states = [KernelState(pp, dp, p, order, 0.3, sites=labels, same_site_share=0.5) for p in drawn]
+            out.append(calibrate(states))
+        return np.array(out)
+
+    one, pooled = temperatures(1), temperatures(16)
+    assert pooled.std() / pooled.mean() < 0.5 * one.std() / one.mean()
+    assert 0.7 < np.median(pooled) / np.median(one) < 1.4  # the same scale: the tuned fractions still hold
+    # the mixes-first refine calibrates on `CALIBRATION_LAYOUTS` layouts; the plain race on its start only
+    monkeypatch.setattr(dtfm_race, "CALIBRATION_LAYOUTS", 4)
+    seen: list[int] = []
+
+    def counted(layouts: list[KernelState], swaps: int = 500) -> float:
+        seen.append(len(layouts))
+        return calibrate(layouts, swaps)
+
+    monkeypatch.setattr(dtfm_race, "calibrate", counted)
+    small, _ = _site_model((20, 11, 9, 16, 8), 4, 16, 6, 0.25)
+    hybrid_search(small, SearchConfig(cpu_budget_s=1.0, seed=2), clock=Ticks(0.05))
+    hybrid_search(small, SearchConfig(cpu_budget_s=1.0, seed=2, mixes_first=False), clock=Ticks(0.05))
+    assert seen == [4, 1]
