@@ -52,9 +52,10 @@ PACE_PROPOSALS = 20_000  # hot proposals on the first annealer that measure the 
 # instead of 500: 0.27 / 0.40 / 0.40; pooled over 8 layouts 0.15 / 0.12 / 0.17, over 16 0.105 on 16x8),
 # so a refine "from 0.1x" starts anywhere from ~0.03x to ~0.2x of the typical temperature. Pooled over 16
 # layouts, the refine was not better (60 s CPU, seeds 80-87/91): 16x8 from 0.05x 1.0277 mean (1 of 8 <=
-# 1.02x), 0.1x 1.0231 (4 of 12), 0.2x 1.0156 (6 of 8), 0.3x 1.0158 / 0.4x 1.0203 (4 seeds each), against
-# 1.0157 (9 of 12) with one layout; 8x16 (0.05x) 4 of 6 against 12 of 12. The schedules' fractions were
-# tuned on the noisy scale, so it stays at one layout until they are tuned again on a stable one.
+# 1.02x), 0.1x 1.0231 (4 of 12), 0.2x 1.0156 (6 of 8), 0.3x 1.0162 (3 of 5), 0.4x 1.02 (4 of 5), against
+# 1.0157 (9 of 12) with one layout; 8x16 (0.05x) 4 of 6 against 12 of 12; 8x8 (0.1x) 6 of 6, as before.
+# The schedules' fractions were tuned on the noisy scale, so it stays at one layout until they are tuned
+# again on a stable one.
 CALIBRATION_LAYOUTS = 1
 
 
