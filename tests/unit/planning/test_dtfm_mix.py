@@ -388,18 +388,18 @@ def test_the_refine_calibrates_on_its_random_layouts(monkeypatch: pytest.MonkeyP
     model = make_case(8, 8, 0).model()
     labels = find_cities(model)
 
+    def layout(rng: np.random.Generator) -> KernelState:
+        p = random_placement(model.workload, rng)
+        order = model.pp_cost(p)[1]
+        pp, dp = model.pp_weights, model.dp_weights
+        return KernelState(pp, dp, p, order, 0.3, sites=labels, same_site_share=0.5)
+
     def temperatures(layouts: int) -> np.ndarray:
         out = []
         for value in range(12):
             rng = np.random.default_rng(value)
             seed(value)
-            pp, dp = model.pp_weights, model.dp_weights
-            drawn = [random_placement(model.workload, rng) for _ in range(layouts)]
-            states = []
-            for p in drawn:
-                order = model.pp_cost(p)[1]
-                states.append(KernelState(pp, dp, p, order, 0.3, sites=labels, same_site_share=0.5))
-            out.append(calibrate(states))
+            out.append(calibrate([layout(rng) for _ in range(layouts)]))
         return np.array(out)
 
     one, pooled = temperatures(1), temperatures(16)
