@@ -383,8 +383,7 @@ def test_the_searched_energy_ranks_the_deep_8x8_mix_first_as_the_estimate_does()
 def test_the_refine_calibrates_on_its_random_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
     # one random layout's median uphill swap (along its best order) is a noisy temperature: on
     # `hard-8x8-s0` it varies by a factor of ~4 between seeds, pooled over 16 layouts by much less
-    # (session 22; the refine keeps one layout, `dtfm_race.CALIBRATION_LAYOUTS`, until its schedule is
-    # tuned on the stable scale)
+    # (session 22; the refine pools `dtfm_race.CALIBRATION_LAYOUTS` of them since session 23)
     model = make_case(8, 8, 0).model()
     labels = find_cities(model)
 
