@@ -174,6 +174,11 @@ _MIX_ANNEALERS = 8
 # 57.76 / 57.85 / 57.93 / 57.87, and session 17 found 8 best on 8x16).
 _MIX_ANNEALERS_FEW = 32
 _MIX_FEW_DEVICES = 128
+# ... and this many with wide groups (session 23, `hard-8x16-s0`, 15 CPU-s: the best mix, 41.4, in 25 of 32
+# searches with 8 annealers, 19 of 23 with 16, 29 of 32 with 32; full 60 s runs with 32, seeds 80-91: 10 of 12
+# found it, ratios 1.0031-1.0065, the others 1.0182 (42.08) and 1.0556 (42.95): 11 of 12 <= 1.02x, against
+# 10 of 12 with 8, of which 8 found it). Weak evidence, but no worse anywhere measured.
+_MIX_ANNEALERS_WIDE = 32
 # ... in this share of the budget (session 21, the mix search alone at slope 0.3 on `hard-8x8-s0`, seeds
 # 300-319: 15 CPU-s reached the deep mix in 17 of 20, 22.5 s in 19, 30 s in 20; 64 annealers in 15 s: 15
 # of 20). A refine of 64 devices finds its best in 20-25 CPU-s (it freezes by half of its cooling).
@@ -507,13 +512,19 @@ def _mix_racers(
     few = _few_devices(model)
     span = (_MIX_SHARE_FEW if few else _MIX_SHARE) * config.cpu_budget_s
     found = search_mixes(
-        model, labels, rng, span_s=span, racers=_MIX_ANNEALERS_FEW if few else _MIX_ANNEALERS, clock=clock,
+        model, labels, rng, span_s=span, racers=_mix_annealers(few=few, wide=wide), clock=clock,
         out_of_time=out_of_time, slope=_MIX_SLOPE_FEW if few else MIX_SLOPE, on_best=on_best,
     )  # fmt: skip
     chosen = _raced_mixes(found, wide=wide)
     fillings = _MIX_FILLINGS_WIDE if wide else _MIX_FILLINGS
     racers = tuple(fill_mix(labels, c.counts, rng) for c in chosen for _ in range(fillings))
     return racers, labels, (filled[0][1] if filled else None)
+
+
+def _mix_annealers(*, few: bool, wide: bool) -> int:
+    """How many mix annealers race: `_MIX_ANNEALERS_FEW` below `_MIX_FEW_DEVICES` devices, else
+    `_MIX_ANNEALERS_WIDE` with wide groups, else `_MIX_ANNEALERS`."""
+    return _MIX_ANNEALERS_FEW if few else (_MIX_ANNEALERS_WIDE if wide else _MIX_ANNEALERS)
 
 
 def _raced_mixes(found: Sequence[MixCandidate], *, wide: bool) -> list[MixCandidate]:

@@ -322,6 +322,14 @@ def test_two_close_mixes_race_on_narrow_groups() -> None:
     assert [c.score for c in raced(mixes(41.4), wide=False)] == [41.4]
 
 
+def test_wide_groups_race_more_mix_annealers() -> None:
+    # 8x16 (128 devices, wide groups): 8 annealers missed its best mix in ~1 of 4 searches, 32 in ~1 of 10
+    # (session 23); 16x8 (128 devices, narrow groups) keeps 8, below 128 devices 32 race anyway
+    many = dtfm_search._mix_annealers(few=False, wide=True)
+    assert many == 32 > dtfm_search._mix_annealers(few=False, wide=False) == 8
+    assert dtfm_search._mix_annealers(few=True, wide=False) == dtfm_search._mix_annealers(few=True, wide=True)
+
+
 def test_the_best_so_far_moves_while_mixes_are_searched(monkeypatch: pytest.MonkeyPatch) -> None:
     # 8 mix annealers, as on 128 devices: with a ticking clock each chunk grows to its cap, so 32 would
     # cost ~4x the real CPU for the same ticks
