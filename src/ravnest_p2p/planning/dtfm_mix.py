@@ -36,7 +36,7 @@ lane of one site traded for a lane of another through a run of groups); stretch 
 (`ORDER_SHARE`). Evaluation is incremental (changed groups, their edges). Several annealers from random
 mixes race on one cooling schedule (from the temperature that accepts the median uphill move half the
 time to 1/1000 of it) and are halved at 1/2, 3/4, ... of it, as in `dtfm_race`. Below 128 devices the
-slope is 0.3 (`dtfm_search._MIX_SLOPE_FEW`, session 20).
+slope is 0.3 (`dtfm_mixes_first._MIX_SLOPE_FEW`, session 20).
 
 Session 17. (1) Edges go through a direct-mapped memo keyed by the two mixes (`_memo_edge`, shared by
 the racers of one search; exact: the stored value is what `_mix_edge` returns): a proposal cost ~6 us
@@ -49,7 +49,7 @@ mix (19 crossings along the path) 1.0044 0.9998 1.0030 1.0046 of the reference, 
 crossings: a run of groups whose cities alternate) 1.0345 1.0372 1.0144 1.0347 1.0015 1.0228. With
 the tie-break the search ends on the 40.83 mix whenever it reaches that basin. Hit rate of that basin
 (15 s, 8 seeds each): 8 racers 6 of 8, 16 racers 5 of 8, 32 racers 2 of 8; 4 racers 4 of 12 (the
-default was 4 racers: 8 now, `dtfm_search._MIX_ANNEALERS`).
+default was 4 racers: 8 now, `dtfm_mixes_first._MIX_ANNEALERS`).
 (3) A run-boundary move (`_boundary`, `BOUNDARY_SHARE` of the proposals): the misses that were left
 were other run structures (Frankfurt through 3 groups and Oregon + London + Ireland through 4,
 against 4 and 3), which no chain of unit or lane moves connects without climbing. The move gives a

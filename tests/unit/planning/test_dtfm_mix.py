@@ -13,8 +13,8 @@ from ravnest_p2p.planning import (
     SearchConfig,
     Workload,
     dtfm_mix,
+    dtfm_mixes_first,
     dtfm_race,
-    dtfm_search,
     hybrid_search,
     random_placement,
 )
@@ -258,16 +258,16 @@ def test_mixes_first_on_every_layout_with_sites(monkeypatch: pytest.MonkeyPatch)
         return search_mixes(*args, **kwargs)  # type: ignore[arg-type]
 
     def raced(*args: object, **kwargs: object) -> object:
-        refines.append(kwargs["slope"])
+        refines.append(kwargs.get("slope"))  # the plain race leaves these at their defaults
         starts.append(kwargs["hot"])
-        fillings.append(len(kwargs["racers"]))  # type: ignore[arg-type]
-        halvings.append(kwargs["halve_at"])
+        fillings.append(len(kwargs.get("racers", ())))  # type: ignore[arg-type]
+        halvings.append(kwargs.get("halve_at"))
         return race(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(dtfm_mix, "search_mixes", counted)
     monkeypatch.setattr(dtfm_race, "race", raced)
-    few, many = dtfm_search._MIX_SLOPE_FEW, dtfm_mix.MIX_SLOPE
-    refine = (dtfm_search._MIX_REFINE_SLOPE,) * 2  # the refine's, on every layout (session 21)
+    few, many = dtfm_mixes_first._MIX_SLOPE_FEW, dtfm_mix.MIX_SLOPE
+    refine = (dtfm_mixes_first._MIX_REFINE_SLOPE,) * 2  # the refine's, on every layout (session 21)
     model, _ = _site_model((20, 11, 9, 16, 8), 4, 16, 6, 0.25)
     mixed = hybrid_search(model, SearchConfig(cpu_budget_s=1.0, seed=2), clock=Ticks(0.05))
     assert calls == [few]  # 64 devices: the slope of few devices in the mix search
@@ -282,7 +282,7 @@ def test_mixes_first_on_every_layout_with_sites(monkeypatch: pytest.MonkeyPatch)
         other, _ = _site_model((20, 11, 9, 16, 8), stages, replicas, 6, 0.25)
         hybrid_search(other, SearchConfig(cpu_budget_s=1.0, seed=2), clock=Ticks(0.05))
     assert calls == [few, few, few]
-    wide_start, narrow_start = dtfm_search._MIX_REFINE_START_WIDE, dtfm_search._MIX_REFINE_START
+    wide_start, narrow_start = dtfm_mixes_first._MIX_REFINE_START_WIDE, dtfm_mixes_first._MIX_REFINE_START
     assert [starts[0], starts[2], starts[3]] == [
         wide_start,
         narrow_start,
@@ -291,10 +291,10 @@ def test_mixes_first_on_every_layout_with_sites(monkeypatch: pytest.MonkeyPatch)
     # wide groups: the best mix (`test_two_close_mixes_race_on_narrow_groups`) in four fillings, halved
     # from a tenth of the cooling on (session 22); narrow groups: one filling of each of one or two
     # mixes, halved at half; the plain race: none, halved at half
-    assert dtfm_search._MIX_FILLINGS_WIDE == 4
+    assert dtfm_mixes_first._MIX_FILLINGS_WIDE == 4
     assert fillings[:2] == [4, 0]
-    assert halvings[:2] == [dtfm_search._MIX_HALVE_AT_WIDE, None]
-    assert dtfm_search._MIX_HALVE_AT_WIDE == 0.1
+    assert halvings[:2] == [dtfm_mixes_first._MIX_HALVE_AT_WIDE, None]
+    assert dtfm_mixes_first._MIX_HALVE_AT_WIDE == 0.1
     assert set(fillings[2:]) <= {1, 2}
     assert halvings[2:] == [None, None]
     model.check(plain.placement)
@@ -310,10 +310,10 @@ def test_two_close_mixes_race_on_narrow_groups() -> None:
             MixCandidate(score, np.full((2, 2), k), np.arange(2), score) for k, score in enumerate(scores)
         ]
 
-    raced = dtfm_search._raced_mixes
-    gap = dtfm_search._MIX_RACE_GAP
-    assert dtfm_search._MIX_RACERS == 2
-    assert dtfm_search._MIX_RACERS_WIDE == 1
+    raced = dtfm_mixes_first._raced_mixes
+    gap = dtfm_mixes_first._MIX_RACE_GAP
+    assert dtfm_mixes_first._MIX_RACERS == 2
+    assert dtfm_mixes_first._MIX_RACERS_WIDE == 1
     close = mixes(50.0, 50.0, 50.0 * (1 + gap / 2), 50.1)  # the tie is one mix, the next distinct is close
     assert [c.score for c in raced(close, wide=False)] == [50.0, 50.0 * (1 + gap / 2)]
     assert [c.score for c in raced(close, wide=True)] == [50.0]  # wide groups: the best only
@@ -325,19 +325,19 @@ def test_two_close_mixes_race_on_narrow_groups() -> None:
 def test_wide_groups_race_more_mix_annealers() -> None:
     # 8x16 (128 devices, wide groups): 8 annealers missed its best mix in ~1 of 4 searches, 32 in ~1 of 10
     # (session 23); 16x8 (128 devices, narrow groups) keeps 8, below 128 devices 32 race anyway
-    many = dtfm_search._mix_annealers(few=False, wide=True)
-    assert many == 32 > dtfm_search._mix_annealers(few=False, wide=False) == 8
-    assert dtfm_search._mix_annealers(few=True, wide=False) == dtfm_search._mix_annealers(few=True, wide=True)
+    annealers = dtfm_mixes_first._mix_annealers
+    assert annealers(few=False, wide=True) == 32 > annealers(few=False, wide=False) == 8
+    assert annealers(few=True, wide=False) == annealers(few=True, wide=True)
 
 
 def test_the_best_so_far_moves_while_mixes_are_searched(monkeypatch: pytest.MonkeyPatch) -> None:
     # 8 mix annealers, as on 128 devices: with a ticking clock each chunk grows to its cap, so 32 would
     # cost ~4x the real CPU for the same ticks
-    monkeypatch.setattr(dtfm_search, "_MIX_ANNEALERS_FEW", 8)
+    monkeypatch.setattr(dtfm_mixes_first, "_MIX_ANNEALERS_FEW", 8)
     model, _ = _site_model((20, 11, 9, 16, 8), 4, 16, 6, 0.25)
     budget = 8.0
     result = hybrid_search(model, SearchConfig(cpu_budget_s=budget, seed=2), clock=Ticks(0.05))
-    span = dtfm_search._MIX_SHARE_FEW * budget  # the mix search's share on 64 devices
+    span = dtfm_mixes_first._MIX_SHARE_FEW * budget  # the mix search's share on 64 devices
     during = [(t, cost) for t, cost in result.curve if 0.0 < t <= span]
     assert during, result.curve[:5]  # a filling of the best mix so far was scored and noted
     assert min(cost for _, cost in during) < result.initial_best_cost
@@ -365,7 +365,7 @@ def test_the_searched_energy_ranks_the_deep_8x8_mix_first_as_the_estimate_does()
     """Session 20: with 1 x the mean group all-reduce in the energy, the mix search preferred a shallow
     `hard-8x8-s0` mix (three groups of 7 from the largest city) to the deep one that refines 2-5% lower
     (five groups of 5, every all-reduce slow), which the estimate ranks first; the slope must not
-    reverse the estimate's order of the two (below 128 devices: `dtfm_search._MIX_SLOPE_FEW`)."""
+    reverse the estimate's order of the two (below 128 devices: `dtfm_mixes_first._MIX_SLOPE_FEW`)."""
     model = make_case(8, 8, 0).model()
     labels = find_cities(model)
     assert np.bincount(labels).tolist() == [7, 8, 1, 4, 10, 4, 25, 5]
@@ -380,7 +380,7 @@ def test_the_searched_energy_ranks_the_deep_8x8_mix_first_as_the_estimate_does()
         assert counts.sum(axis=0).tolist() == np.bincount(labels).tolist()
         estimate = dtfm_mix._estimate(counts, order, dp, pairs, levels, dtfm_mix.CROSS_WEIGHT)
         mean_dp = float(np.mean([dtfm_mix._mix_dp(row, dp) for row in counts]))
-        return estimate, estimate + dtfm_search._MIX_SLOPE_FEW * mean_dp
+        return estimate, estimate + dtfm_mixes_first._MIX_SLOPE_FEW * mean_dp
 
     (deep_estimate, deep_energy), (shallow_estimate, shallow_energy) = scored(deep), scored(shallow)
     assert deep_estimate == pytest.approx(50.94, abs=0.01)
