@@ -58,7 +58,7 @@ from ravnest_p2p.planning.dtfm_paths import EXACT_TSP_LIMIT, shortest_path
 from ravnest_p2p.planning.dtfm_site_moves import even_out_site, spread_site
 from ravnest_p2p.planning.dtfm_structure import deciding_twins
 
-__all__ = ["AnnealOutcome", "SwapState", "anneal"]
+__all__ = ["AnnealOutcome", "SwapState", "anneal", "uphill_temperature"]
 
 _DP_MEAN_WEIGHT = 0.1
 # Noisy networks (no twins) have no plateaus for the mean to tilt, and the 0.1 x mean all-reduce time
@@ -373,16 +373,21 @@ def _pick_swap(state: SwapState, classes: np.ndarray, rng: np.random.Generator) 
 
 def calibrate_temperature(state: SwapState, classes: np.ndarray, rng: np.random.Generator) -> float:
     """Temperature at which the median uphill move of ``state`` is accepted half the time."""
-    uphill = []
+    deltas = []
     for _ in range(60):
         pick = _pick_swap(state, classes, rng)
         if pick is None:
             break
-        delta = state.propose(*pick).energy - state.energy
-        if delta > 0:
-            uphill.append(delta)
-    if not uphill:
-        return 1e-3 * max(state.cost, 1e-9)
+        deltas.append(state.propose(*pick).energy - state.energy)
+    return uphill_temperature(np.array(deltas), state.cost)
+
+
+def uphill_temperature(deltas: np.ndarray, cost: float) -> float:
+    """The temperature at which the median uphill move of ``deltas`` (energy changes of proposed moves) is
+    accepted half the time; 1/1000 of ``cost`` if none goes uphill."""
+    uphill = deltas[deltas > 0]
+    if not len(uphill):
+        return 1e-3 * max(cost, 1e-9)
     return float(np.median(uphill)) / math.log(2.0)
 
 

@@ -72,6 +72,7 @@ import numpy as np
 from numba import njit
 
 from ravnest_p2p.planning.dtfm import CostModel, Placement, random_placement
+from ravnest_p2p.planning.dtfm_anneal import uphill_temperature
 from ravnest_p2p.planning.dtfm_sites import matched_levels, site_matrices
 
 __all__ = ["MixCandidate", "fill_mix", "mix_estimate", "search_mixes", "site_model"]
@@ -511,8 +512,7 @@ def search_mixes(
         first_one.counts, first_one.order, dp, pairs, levels, 0, 1.0, 1.0, first_one.best,
         first_one.best_counts, first_one.best_order, deltas, CROSS_WEIGHT, keys, values, slope,
     )  # fmt: skip
-    uphill = deltas[deltas > 0]
-    first = hot * (float(np.median(uphill)) / math.log(2.0) if len(uphill) else 1e-3 * first_one.best[0])
+    first = hot * uphill_temperature(deltas, float(first_one.best[0]))
     last = first * cool_to / hot
     rounds = race_rounds(racers)
     units = sum(length * count for _, length, count in rounds)

@@ -29,13 +29,13 @@ a time): constant 1.0 (before) mean 1.019, 3 of 6 <= 1.02; constant 0 / 0.3 / 2 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ravnest_p2p.planning.dtfm import CostModel, Placement, random_placement
+from ravnest_p2p.planning.dtfm_anneal import uphill_temperature
 from ravnest_p2p.planning.dtfm_kernel import KernelState, seed
 
 __all__ = ["RaceOutcome", "calibrate", "race", "race_rounds", "racer_count", "slope_at"]
@@ -107,10 +107,7 @@ def calibrate(layouts: Sequence[KernelState], swaps: int = 500) -> float:
     """The temperature at which the median uphill swap of ``layouts`` (``swaps`` random ones on each,
     none applied) is accepted half the time; 1/1000 of the first one's cost if no swap goes uphill."""
     deltas = np.concatenate([layout.swap_deltas(swaps) for layout in layouts])
-    uphill = deltas[deltas > 0]
-    if not len(uphill):
-        return 1e-3 * max(layouts[0].cost, 1e-9)
-    return float(np.median(uphill)) / math.log(2.0)
+    return uphill_temperature(deltas, layouts[0].cost)
 
 
 def race(
