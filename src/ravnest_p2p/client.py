@@ -80,6 +80,20 @@ def current_plan_done(metrics: Sequence[StageMetrics], records: Sequence[PeerRec
     return bool(firsts) and firsts <= done
 
 
+def live_clusters_done(progress: ProgressView, records: Sequence[PeerRecord]) -> bool:
+    """Whether every cluster of the job's newest plan epoch that still has a live first stage has ended
+    (reported the job done; agreed-plan jobs, once some cluster has).
+
+    One cluster finishing does not end the others: each trains to its own end. A cluster whose first
+    stage is gone (no live record names it) is not waited on; nor is a plan the swarm agreed after the
+    job ended (its peers never start it: their records name a newer epoch).
+    """
+    live = {
+        r.cluster for r in records if r.epoch == progress.epoch and r.stage == 0 and r.cluster is not None
+    }
+    return live <= {cluster for epoch, cluster in progress.ended_clusters if epoch == progress.epoch}
+
+
 class RunClient:
     """Connect with `await RunClient.connect(initial_peers, run_id)`; close with `await client.aclose()`."""
 
@@ -300,14 +314,14 @@ class RunClient:
         progress = await self.progress(job.job_id)
         signed = await self.metrics(job_id=job.job_id)
         metrics = await self.member_metrics(job, signed)
-        if progress is not None and progress.done:
+        records = await self.peers()
+        if progress is not None and progress.done and live_clusters_done(progress, records):
             # the swarm may have moved to a plan that no longer names the peers that finished the job:
             # their (signed) metrics are still what the job ended with
             return newest_epoch(metrics or signed), True
-        if progress is not None and progress.ended and not progress.stopped:
+        if progress is not None and progress.ended and not progress.done and not progress.stopped:
             raise RavnestError(f"job {job.job_id} ended: {progress.reason}")
         # a stopped job is done once its clusters have finished (they publish done within seconds)
-        records = await self.peers()
         return newest_epoch(metrics), current_plan_done(metrics, records)
 
     async def _as_published(self, job: JobSpec) -> JobSpec:

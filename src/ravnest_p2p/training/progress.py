@@ -124,7 +124,9 @@ class ProgressView:
         num_clusters: clusters of the newest epoch's plan (as its records say).
         positions: data position by (plan epoch, cluster): how far each cluster of each plan got (a
             cluster whose pipeline broke stops early; the hand-over prefers the furthest replica).
-        done / stopped / ended: see `JobProgress`.
+        ended_clusters: the (plan epoch, cluster) pipelines whose record says they ended (done or not).
+        done / stopped / ended: see `JobProgress` (``done``: any cluster finished; the job then never
+            starts again, but the other clusters of its plan train on to their own end).
         reason: why it ended, if it did.
         updated_at: DHT time of the newest record of the newest epoch (a training first stage
             refreshes its record every metrics period).
@@ -139,6 +141,7 @@ class ProgressView:
     started: frozenset[tuple[int, int]] = frozenset()
     num_clusters: int = 1
     positions: Mapping[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+    ended_clusters: frozenset[tuple[int, int]] = frozenset()
     done: bool = False
     stopped: bool = False
     ended: bool = False
@@ -197,6 +200,9 @@ def merge_progress(
         ),
         num_clusters=max((r.num_clusters for r in newest), default=1),
         positions=positions,
+        ended_clusters=frozenset(
+            (r.epoch, r.cluster) for r in runs if (r.ended or r.done) and r.cluster is not None
+        ),
         done=any(r.done for r in runs),
         stopped=bool(stops),
         ended=ended is not None or bool(stops),

@@ -6,12 +6,12 @@ from typing import Any
 
 import pytest
 
-from ravnest_p2p.client import RunClient, current_plan_done
+from ravnest_p2p.client import RunClient, current_plan_done, live_clusters_done
 from ravnest_p2p.discovery import PeerRecord
 from ravnest_p2p.errors import RavnestError
 from ravnest_p2p.training.job import JobSpec
 from ravnest_p2p.training.metrics import METRICS_KEY, StageMetrics
-from ravnest_p2p.training.progress import JobProgress, publish_progress, read_progress
+from ravnest_p2p.training.progress import JobProgress, merge_progress, publish_progress, read_progress
 from ravnest_p2p.types import PeerState
 
 from ._fakes import FakeClientDHT, FakeDHT
@@ -94,6 +94,47 @@ async def test_wait_for_job_returns_on_the_progress_record_after_the_swarm_moved
     )
     final = await client.wait_for_job(JOB, timeout_s=5, poll_s=0.05)
     assert {m.peer_id for m in final} == {"a", "c", "dead"}  # what the newest epoch left, for the notebook
+
+
+def test_one_cluster_done_waits_for_the_other_live_clusters_of_its_epoch():
+    def view(*done_clusters: int):
+        records = {
+            f"p{c}": JobProgress(job_id="j", peer_id=f"p{c}", epoch=1, cluster=c, num_clusters=3, done=True)
+            for c in done_clusters
+        }
+        found = merge_progress(records, job_id="j", owner_peer_id=None)
+        assert found is not None
+        assert found.done
+        return found
+
+    live = [record(f"p{c}", epoch=1, cluster=c, stage=0) for c in range(3)]
+    assert not live_clusters_done(view(0), live)  # clusters 1 and 2 still train
+    assert not live_clusters_done(view(0, 2), live)
+    assert live_clusters_done(view(0, 1, 2), live)
+    assert live_clusters_done(view(0, 2), [live[0], live[2]])  # cluster 1's first stage is gone
+    moved = [record(f"p{c}", epoch=2, cluster=c, stage=0) for c in range(3)]
+    assert live_clusters_done(view(0), moved)  # a plan agreed after the job ended never runs it
+
+
+async def test_wait_for_job_waits_for_every_live_cluster_not_the_first_one_done():
+    dht = FakeClientDHT("client")
+    records = [record("a", epoch=1, cluster=0, stage=0), record("c", epoch=1, cluster=1, stage=0)]
+    client = client_on(dht, records)
+    await put_metrics(dht, metrics("a", epoch=1, cluster=0, stage=0, done=True))
+    await put_metrics(dht, metrics("c", epoch=1, cluster=1, stage=0, done=False))
+    await publish_progress(
+        dht.as_signer("a"),
+        JobProgress(job_id="j", peer_id="a", epoch=1, cluster=0, num_clusters=2, micro_batches=9, done=True),
+    )
+    with pytest.raises(TimeoutError):  # cluster 1 trains on
+        await client.wait_for_job(JOB, timeout_s=0.3, poll_s=0.05)
+    await put_metrics(dht, metrics("c", epoch=1, cluster=1, stage=0, done=True))
+    await publish_progress(
+        dht.as_signer("c"),
+        JobProgress(job_id="j", peer_id="c", epoch=1, cluster=1, num_clusters=2, micro_batches=9, done=True),
+    )
+    final = await client.wait_for_job(JOB, timeout_s=5, poll_s=0.05)
+    assert {(m.peer_id, m.done) for m in final} == {("a", True), ("c", True)}
 
 
 async def test_a_failed_job_raises_a_stopped_one_waits_for_done_and_stop_job_is_signed_by_the_client():
