@@ -127,6 +127,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -330,20 +331,19 @@ def _anneal_search(
         if config.mixes_first:
             budget = config.cpu_budget_s
             mixes = mix_racers(model, config.seed, budget, rng, out_of_time, clock, note, wide=wide)
-        if mixes.racers:
+        racing = partial(
+            race, budget_s=config.cpu_budget_s, max_rounds=config.max_generations, out_of_time=out_of_time,
+            note=note, clock=clock, started=started,
+        )  # fmt: skip
+        if mixes.racers:  # the start only calibrates the temperature: the mixes' fillings race
             schedule = refine_schedule(wide=wide)
-            won = race(
+            won = racing(
                 model, random_placement(model.workload, rng), rng, hot=schedule.hot, cool_to=schedule.cool_to,
-                budget_s=config.cpu_budget_s, max_rounds=config.max_generations, out_of_time=out_of_time,
-                note=note, clock=clock, started=started, racers=mixes.racers, sites=mixes.labels,
-                same_site_share=schedule.same_site_share, slope=schedule.slope, halve_at=schedule.halve_at,
+                racers=mixes.racers, sites=mixes.labels, same_site_share=schedule.same_site_share,
+                slope=schedule.slope, halve_at=schedule.halve_at,
             )  # fmt: skip
         else:
-            won = race(
-                model, best, rng, hot=hot, cool_to=_COOL_TO, budget_s=config.cpu_budget_s,
-                max_rounds=config.max_generations, out_of_time=out_of_time, note=note, clock=clock,
-                started=started,
-            )  # fmt: skip
+            won = racing(model, best, rng, hot=hot, cool_to=_COOL_TO)
         filled = mixes.filled
         final = won.placement if filled is None else min(won.placement, filled, key=model.cost)
         return _result(model, final, won.rounds, won.proposals, initial_best, clock() - started, curve)
