@@ -54,8 +54,10 @@ def complete(sub: np.ndarray, level: float, work: np.ndarray) -> float:
     row_of_col = work[size : 2 * size]
     via = work[2 * size : 3 * size]
     queue = work[3 * size : 4 * size]
-    col_of_row[:] = -1
-    row_of_col[:] = -1
+    for k in range(col_of_row.shape[0]):
+        col_of_row[k] = -1
+    for k in range(row_of_col.shape[0]):
+        row_of_col[k] = -1
     matched = 0
     for r in range(size):  # greedy start at the lower bound
         for c in range(size):
@@ -67,7 +69,8 @@ def complete(sub: np.ndarray, level: float, work: np.ndarray) -> float:
     while matched < size:
         # breadth-first alternating search from every free row at once; a row is reached when it is
         # free or matched to a reached column, so "reached" = free or row_of_col[via-reached column]
-        via[:] = -1
+        for k in range(via.shape[0]):
+            via[k] = -1
         tail = 0
         for r in range(size):
             if col_of_row[r] < 0:
