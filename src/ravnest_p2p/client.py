@@ -75,7 +75,7 @@ def current_plan_done(metrics: Sequence[StageMetrics], records: Sequence[PeerRec
     if not placed:
         return False
     epoch = max(r.epoch for r in placed)
-    firsts = {r.peer_id for r in placed if r.epoch == epoch and r.stage == 0}
+    firsts = {r.peer_id for r in _first_stages(placed, epoch)}
     done = {m.peer_id for m in metrics if m.epoch == epoch and m.stage == 0 and m.done}
     return bool(firsts) and firsts <= done
 
@@ -88,10 +88,13 @@ def live_clusters_done(progress: ProgressView, records: Sequence[PeerRecord]) ->
     stage is gone (no live record names it) is not waited on; nor is a plan the swarm agreed after the
     job ended (its peers never start it: their records name a newer epoch).
     """
-    live = {
-        r.cluster for r in records if r.epoch == progress.epoch and r.stage == 0 and r.cluster is not None
-    }
+    live = {r.cluster for r in _first_stages(records, progress.epoch)}
     return live <= {cluster for epoch, cluster in progress.ended_clusters if epoch == progress.epoch}
+
+
+def _first_stages(records: Sequence[PeerRecord], epoch: int) -> list[PeerRecord]:
+    """The live records of plan ``epoch``'s first stages (one per cluster)."""
+    return [r for r in records if r.epoch == epoch and r.stage == 0 and r.cluster is not None]
 
 
 class RunClient:

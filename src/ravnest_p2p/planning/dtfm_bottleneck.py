@@ -54,9 +54,8 @@ def complete(sub: np.ndarray, level: float, work: np.ndarray) -> float:
     row_of_col = work[size : 2 * size]
     via = work[2 * size : 3 * size]
     queue = work[3 * size : 4 * size]
-    for k in range(col_of_row.shape[0]):
+    for k in range(size):  # loops, not slice fills: `dtfm_kernel._run` compiles without reference counting
         col_of_row[k] = -1
-    for k in range(row_of_col.shape[0]):
         row_of_col[k] = -1
     matched = 0
     for r in range(size):  # greedy start at the lower bound
@@ -69,7 +68,7 @@ def complete(sub: np.ndarray, level: float, work: np.ndarray) -> float:
     while matched < size:
         # breadth-first alternating search from every free row at once; a row is reached when it is
         # free or matched to a reached column, so "reached" = free or row_of_col[via-reached column]
-        for k in range(via.shape[0]):
+        for k in range(size):
             via[k] = -1
         tail = 0
         for r in range(size):
